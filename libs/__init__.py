@@ -1,0 +1,1 @@
+"""Shared code of the EPD services, one package per concept (contract, config, telemetry, ...)."""

@@ -1,0 +1,1 @@
+"""Decode service (D): KV cache read over NIXL -> streamed tokens."""

@@ -1,0 +1,1 @@
+"""Encoder service (E): media items -> embeddings kept in registered memory + layout metadata."""

@@ -1,0 +1,1 @@
+"""Prefill-decode service (PD): prefill and decode in one process, for the E+PD layout."""

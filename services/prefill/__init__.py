@@ -1,0 +1,1 @@
+"""Prefill service (P): metadata-only request + embeddings read over NIXL -> KV cache + first token."""
