@@ -79,8 +79,12 @@ def check() -> int:
                 drift.append(name)
                 if a.exists() and b.exists():
                     diff = difflib.unified_diff(
-                        a.read_text().splitlines(), b.read_text().splitlines(),
-                        f"committed/{name}", f"regenerated/{name}", lineterm="", n=1,
+                        a.read_text().splitlines(),
+                        b.read_text().splitlines(),
+                        f"committed/{name}",
+                        f"regenerated/{name}",
+                        lineterm="",
+                        n=1,
                     )
                     sys.stderr.write("\n".join(list(diff)[:40]) + "\n")
     if drift:

@@ -1,0 +1,147 @@
+"""Typed settings from command-line flags and environment variables.
+
+A service declares a frozen dataclass (usually extending `CommonSettings`) whose fields carry help
+text via `setting(...)`. `load_settings` builds the command line from it: field `max_queue` becomes
+flag `--max-queue` and environment variable `EPD_MAX_QUEUE`. Precedence: flag, then environment,
+then the field's default. A bad value, from either source, is reported naming the flag or variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+ENV_PREFIX = "EPD_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+T = TypeVar("T")
+
+
+class SettingsError(ValueError):
+    """A setting has a value that cannot be used; the message names its flag or variable."""
+
+
+def setting(default: Any, help: str) -> Any:
+    """A dataclass field with help text (shown by `--help`, with its variable and default)."""
+    if isinstance(default, list | dict | set):
+        raise TypeError("mutable defaults are not allowed; use a tuple")
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class CommonSettings:
+    """Settings every EPD process has."""
+
+    host: str = setting("127.0.0.1", "address to listen on (loopback by default)")
+    port: int = setting(0, "port to listen on; 0 picks a free one")
+    log_level: Literal["debug", "info", "warning", "error"] = setting("info", "log level")
+    log_format: Literal["json", "console"] = setting("json", "log line format")
+    trace_exporter: Literal["none", "jsonl", "otlp", "console"] = setting(
+        "none", "where spans go: nowhere, a JSONL file, an OTLP/gRPC collector, or stdout"
+    )
+    trace_file: Path = setting(Path("var/traces/spans.jsonl"), "JSONL span file (trace_exporter=jsonl)")
+    otlp_endpoint: str = setting("127.0.0.1:4317", "OTLP/gRPC collector address (trace_exporter=otlp)")
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a field."""
+    return ENV_PREFIX + field.upper()
+
+
+def flag_name(field: str) -> str:
+    """The command-line flag of a field."""
+    return "--" + field.replace("_", "-")
+
+
+def _convert(raw: str, kind: Any, source: str) -> Any:
+    origin = typing.get_origin(kind)
+    if origin is Literal:
+        choices = typing.get_args(kind)
+        if raw not in choices:
+            raise SettingsError(f"{source}: {raw!r} is not one of {', '.join(map(str, choices))}")
+        return raw
+    if origin is tuple:
+        (item,) = {a for a in typing.get_args(kind) if a is not Ellipsis}
+        return tuple(_convert(part.strip(), item, source) for part in raw.split(",") if part.strip())
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(kind) if a is not type(None)]
+        return None if raw == "" else _convert(raw, inner[0], source)
+    if kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+        raise SettingsError(f"{source}: {raw!r} is not a boolean (use true/false)")
+    try:
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{source}: {raw!r} is not a valid {getattr(kind, '__name__', kind)}") from None
+
+
+def build_parser(cls: type[Any], prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
+    """The argparse parser of a settings class (defaults suppressed so precedence can be applied)."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description or (cls.__doc__ or "").strip(), argument_default=argparse.SUPPRESS
+    )
+    hints = typing.get_type_hints(cls, include_extras=True)
+    for field in dataclasses.fields(cls):
+        kind = hints[field.name]
+        default = field.default
+        help_text = f"{field.metadata.get('help', '')} (env {env_name(field.name)}; default: {default!r})"
+        if kind is bool:
+            parser.add_argument(flag_name(field.name), action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag_name(field.name), dest=field.name, metavar=field.name.upper(), help=help_text)
+    return parser
+
+
+def load_settings(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    prog: str | None = None,
+) -> T:
+    """Fill `cls` from flags (`argv`, default sys.argv[1:]), then `env` (default os.environ).
+
+    Raises `SettingsError` for a bad value; argparse exits with status 2 on unknown flags.
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    env = os.environ if env is None else env
+    args = vars(build_parser(cls, prog=prog).parse_args(sys.argv[1:] if argv is None else argv))
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        kind = hints[field.name]
+        if field.name in args:
+            raw = args[field.name]
+            values[field.name] = raw if kind is bool else _convert(raw, kind, flag_name(field.name))
+        elif env_name(field.name) in env:
+            values[field.name] = _convert(env[env_name(field.name)], kind, env_name(field.name))
+    settings = cls(**values)
+    _check_ranges(settings)
+    return settings
+
+
+def _check_ranges(settings: Any) -> None:
+    port = getattr(settings, "port", 0)
+    if not 0 <= port <= 65535:
+        raise SettingsError(f"{flag_name('port')}: {port} is not a TCP port")
+
+
+def main_settings(cls: type[T], prog: str) -> T:
+    """`load_settings` for a program's main: a bad value prints a usage error and exits 2."""
+    try:
+        return load_settings(cls, prog=prog)
+    except SettingsError as exc:
+        build_parser(cls, prog=prog).error(str(exc))
+        raise  # unreachable: error() exits

@@ -1,0 +1,65 @@
+"""Typed errors shared by every service, each bound to the gRPC status it maps to.
+
+Semantic problems are ours (INVALID_ARGUMENT naming the field, FAILED_PRECONDITION for version or
+spec mismatches, UNAVAILABLE when a peer is gone, RESOURCE_EXHAUSTED when a bounded queue or pool
+is full, DEADLINE_EXCEEDED when the deadline passes). Malformed wire bytes never reach our code:
+gRPC fails them itself with INTERNAL.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import grpc
+
+
+class EpdError(Exception):
+    """Base of all typed EPD errors; `code` is the gRPC status the error maps to."""
+
+    code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(EpdError):
+    """A request field is semantically invalid; `field` is its path, e.g. `items[0].media.data`."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class FailedPrecondition(EpdError):
+    """The request is well-formed but the system is not in a state to serve it (version or spec
+    mismatch between peers, a KV cache from another model, ...)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotFound(EpdError):
+    """A referenced entity (lease, cached embedding) does not exist (any more)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(EpdError):
+    """A bounded resource (queue, memory pool, cache) is full."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(EpdError):
+    """A peer is gone or not reachable; the caller may retry elsewhere."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(EpdError):
+    """The request's deadline passed while we waited on our side."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

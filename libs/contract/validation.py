@@ -1,0 +1,476 @@
+"""Semantic validation of every epd.v1 request, shared by all services.
+
+Each `validate_*` function checks one request type against the contract's rules and the server's
+`Limits`, and raises `InvalidArgument` naming the first offending field by its path
+(`messages[0].parts[2].media.modality`). Servers call the validator of the request type they serve
+before doing any work; nothing here touches the network or the model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from libs.contract.epd.v1 import (
+    chat_pb2,
+    decode_pb2,
+    encoder_pb2,
+    generate_pb2,
+    layout_pb2,
+    lease_pb2,
+    media_pb2,
+    prefill_decode_pb2,
+    prefill_pb2,
+    sampling_pb2,
+    service_info_pb2,
+    tensor_pb2,
+)
+from libs.contract.errors import InvalidArgument
+
+# Bytes per element of each dtype.
+DTYPE_SIZES: dict[int, int] = {
+    tensor_pb2.D_TYPE_FLOAT32: 4,
+    tensor_pb2.D_TYPE_FLOAT16: 2,
+    tensor_pb2.D_TYPE_BFLOAT16: 2,
+    tensor_pb2.D_TYPE_INT64: 8,
+    tensor_pb2.D_TYPE_INT32: 4,
+    tensor_pb2.D_TYPE_INT8: 1,
+    tensor_pb2.D_TYPE_UINT8: 1,
+    tensor_pb2.D_TYPE_BOOL: 1,
+}
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]+$")
+_KV_TENSOR_NAME = re.compile(r"^layers\.(\d+)\.(key|value)$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds a server enforces on requests. Defaults suit the reference deployment."""
+
+    max_request_id_chars: int = 128
+    max_messages: int = 256
+    max_parts_per_message: int = 64
+    max_text_bytes: int = 1 << 20
+    max_media_items: int = 16
+    max_inline_media_bytes: int = 64 << 20
+    max_uri_chars: int = 4096
+    max_pixels: int = 16 << 20
+    max_video_frames: int = 768
+    max_tokens: int = 4096
+    max_stop_sequences: int = 8
+    max_stop_sequence_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_tensors_per_handle: int = 1024
+    max_tensor_dims: int = 8
+    max_tensor_bytes: int = 8 << 30
+    max_regions_per_tensor: int = 64
+    max_placeholder_tokens: int = 1 << 20
+    max_lease_ids: int = 1024
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _fail(path: str, problem: str) -> InvalidArgument:
+    return InvalidArgument(path, problem)
+
+
+def _require_enum(value: int, path: str, enum_name: str, known: Sequence[int]) -> None:
+    if value == 0:
+        raise _fail(path, f"must be set (not {enum_name}_UNSPECIFIED)")
+    if value not in known:
+        raise _fail(path, f"unknown {enum_name} value {value}")
+
+
+def _check_count(items: Sequence[object], path: str, minimum: int, maximum: int) -> None:
+    if len(items) < minimum:
+        raise _fail(path, f"needs at least {minimum} entr{'y' if minimum == 1 else 'ies'}")
+    if len(items) > maximum:
+        raise _fail(path, f"has {len(items)} entries; the limit is {maximum}")
+
+
+def _check_request_id(request_id: str, path: str, limits: Limits, required: bool = True) -> None:
+    if not request_id:
+        if required:
+            raise _fail(path, "must not be empty")
+        return
+    if len(request_id) > limits.max_request_id_chars:
+        raise _fail(path, f"is {len(request_id)} characters; the limit is {limits.max_request_id_chars}")
+    if not _REQUEST_ID.match(request_id):
+        raise _fail(path, "may contain only letters, digits and . _ : -")
+
+
+# --- media -----------------------------------------------------------------------------------
+
+
+def validate_processor_options(opts: media_pb2.ProcessorOptions, path: str, limits: Limits) -> None:
+    """Check preprocessing overrides: positive and within limits, min <= max."""
+    for name in ("min_pixels", "max_pixels"):
+        if opts.HasField(name):
+            value = getattr(opts, name)
+            if value <= 0 or value > limits.max_pixels:
+                raise _fail(f"{path}.{name}", f"must be in [1, {limits.max_pixels}] pixels, got {value}")
+    if opts.HasField("min_pixels") and opts.HasField("max_pixels") and opts.min_pixels > opts.max_pixels:
+        raise _fail(f"{path}.min_pixels", f"{opts.min_pixels} exceeds max_pixels {opts.max_pixels}")
+    if opts.HasField("video_fps") and not (0 < opts.video_fps <= 120 and math.isfinite(opts.video_fps)):
+        raise _fail(f"{path}.video_fps", f"must be in (0, 120] frames per second, got {opts.video_fps}")
+    if opts.HasField("video_max_frames") and not (0 < opts.video_max_frames <= limits.max_video_frames):
+        raise _fail(
+            f"{path}.video_max_frames",
+            f"must be in [1, {limits.max_video_frames}] frames, got {opts.video_max_frames}",
+        )
+
+
+def validate_media_item(item: media_pb2.MediaItem, path: str, limits: Limits) -> None:
+    """Check a client media item: modality set, exactly one non-empty bounded source."""
+    _require_enum(item.modality, f"{path}.modality", "MODALITY", media_pb2.Modality.values())
+    source = item.WhichOneof("source")
+    if source is None:
+        raise _fail(f"{path}.source", "one of data or uri is required")
+    if source == "data":
+        if not item.data:
+            raise _fail(f"{path}.data", "must not be empty")
+        if len(item.data) > limits.max_inline_media_bytes:
+            raise _fail(f"{path}.data", f"is {len(item.data)} bytes; the limit is {limits.max_inline_media_bytes}")
+    else:
+        if not item.uri:
+            raise _fail(f"{path}.uri", "must not be empty")
+        if len(item.uri) > limits.max_uri_chars:
+            raise _fail(f"{path}.uri", f"is {len(item.uri)} characters; the limit is {limits.max_uri_chars}")
+    if item.mime_type and "/" not in item.mime_type:
+        raise _fail(f"{path}.mime_type", f"{item.mime_type!r} is not a MIME type")
+    validate_processor_options(item.processor_options, f"{path}.processor_options", limits)
+
+
+# --- tensors ---------------------------------------------------------------------------------
+
+
+def validate_tensor_spec(spec: tensor_pb2.TensorSpec, path: str, limits: Limits) -> None:
+    """Check dims are non-negative and `nbytes` equals product(shape) * element size."""
+    _require_enum(spec.dtype, f"{path}.dtype", "D_TYPE", tensor_pb2.DType.values())
+    _require_enum(spec.layout, f"{path}.layout", "TENSOR_LAYOUT", tensor_pb2.TensorLayout.values())
+    if len(spec.shape) > limits.max_tensor_dims:
+        raise _fail(f"{path}.shape", f"has {len(spec.shape)} dimensions; the limit is {limits.max_tensor_dims}")
+    for i, dim in enumerate(spec.shape):
+        if dim < 0:
+            raise _fail(f"{path}.shape[{i}]", f"must be >= 0, got {dim}")
+    if spec.nbytes < 0 or spec.nbytes > limits.max_tensor_bytes:
+        raise _fail(f"{path}.nbytes", f"must be in [0, {limits.max_tensor_bytes}] bytes, got {spec.nbytes}")
+    expected = math.prod(spec.shape) * DTYPE_SIZES[spec.dtype]
+    if spec.nbytes != expected:
+        raise _fail(
+            f"{path}.nbytes",
+            f"{spec.nbytes} bytes does not match shape {list(spec.shape)} of "
+            f"{tensor_pb2.DType.Name(spec.dtype)} ({expected} bytes)",
+        )
+
+
+def _validate_descriptor(desc: tensor_pb2.TensorDescriptor, transport: int, path: str, limits: Limits) -> None:
+    if not desc.name:
+        raise _fail(f"{path}.name", "must not be empty")
+    if not desc.HasField("spec"):
+        raise _fail(f"{path}.spec", "is required")
+    validate_tensor_spec(desc.spec, f"{path}.spec", limits)
+    if desc.checksum.algorithm not in tensor_pb2.ChecksumAlgorithm.values():
+        raise _fail(f"{path}.checksum.algorithm", f"unknown ChecksumAlgorithm value {desc.checksum.algorithm}")
+    if transport == tensor_pb2.TRANSPORT_KIND_INLINE:
+        if desc.regions:
+            raise _fail(f"{path}.regions", "must be empty for TRANSPORT_KIND_INLINE")
+        if len(desc.inline_data) != desc.spec.nbytes:
+            raise _fail(f"{path}.inline_data", f"is {len(desc.inline_data)} bytes; spec.nbytes is {desc.spec.nbytes}")
+        return
+    if desc.inline_data:
+        raise _fail(f"{path}.inline_data", "must be empty for TRANSPORT_KIND_NIXL")
+    _check_count(desc.regions, f"{path}.regions", 1 if desc.spec.nbytes else 0, limits.max_regions_per_tensor)
+    total = 0
+    for i, region in enumerate(desc.regions):
+        rpath = f"{path}.regions[{i}]"
+        _require_enum(region.memory_kind, f"{rpath}.memory_kind", "MEMORY_KIND", tensor_pb2.MemoryKind.values())
+        if region.length == 0:
+            raise _fail(f"{rpath}.length", "must be > 0")
+        if region.address == 0:
+            raise _fail(f"{rpath}.address", "must not be 0")
+        if region.address + region.length > 1 << 64:
+            raise _fail(f"{rpath}.length", "region runs past the end of the address space")
+        total += region.length
+    if total != desc.spec.nbytes:
+        raise _fail(f"{path}.regions", f"lengths sum to {total} bytes; spec.nbytes is {desc.spec.nbytes}")
+
+
+def validate_tensor_handle(handle: tensor_pb2.TensorHandle, path: str, limits: Limits) -> None:
+    """Check a handle is self-consistent: transport, lease, agent (NIXL), unique tensor names,
+    and descriptors whose specs match their bytes."""
+    _require_enum(handle.transport, f"{path}.transport", "TRANSPORT_KIND", tensor_pb2.TransportKind.values())
+    if not handle.lease_id:
+        raise _fail(f"{path}.lease_id", "must not be empty")
+    if handle.transport == tensor_pb2.TRANSPORT_KIND_NIXL:
+        if not handle.agent.agent_name:
+            raise _fail(f"{path}.agent.agent_name", "must not be empty for TRANSPORT_KIND_NIXL")
+        if not handle.agent.producer_address:
+            raise _fail(f"{path}.agent.producer_address", "must not be empty for TRANSPORT_KIND_NIXL")
+    _check_count(handle.tensors, f"{path}.tensors", 1, limits.max_tensors_per_handle)
+    seen: set[str] = set()
+    for i, desc in enumerate(handle.tensors):
+        _validate_descriptor(desc, handle.transport, f"{path}.tensors[{i}]", limits)
+        if desc.name in seen:
+            raise _fail(f"{path}.tensors[{i}].name", f"duplicate tensor name {desc.name!r}")
+        seen.add(desc.name)
+
+
+# --- layout ----------------------------------------------------------------------------------
+
+_LAYOUT_ARM = {
+    media_pb2.MODALITY_IMAGE: "image",
+    media_pb2.MODALITY_VIDEO: "video",
+    media_pb2.MODALITY_AUDIO: "audio",
+}
+
+
+def _check_grid(layout: layout_pb2.ImageLayout | layout_pb2.VideoLayout, path: str) -> None:
+    for name in ("grid_t", "grid_h", "grid_w"):
+        if getattr(layout, name) <= 0:
+            raise _fail(f"{path}.{name}", f"must be > 0 patches, got {getattr(layout, name)}")
+
+
+def validate_item_layout(layout: layout_pb2.ItemLayout, path: str, limits: Limits) -> None:
+    """Check modality, hash, token count, and that the per-modality arm matches the modality."""
+    _require_enum(layout.modality, f"{path}.modality", "MODALITY", media_pb2.Modality.values())
+    if not layout.mm_hash:
+        raise _fail(f"{path}.mm_hash", "must not be empty")
+    if not 0 < layout.placeholder_token_count <= limits.max_placeholder_tokens:
+        raise _fail(
+            f"{path}.placeholder_token_count",
+            f"must be in [1, {limits.max_placeholder_tokens}] tokens, got {layout.placeholder_token_count}",
+        )
+    arm = layout.WhichOneof("detail")
+    expected = _LAYOUT_ARM[layout.modality]
+    if arm != expected:
+        raise _fail(f"{path}.{expected}", f"is required for {media_pb2.Modality.Name(layout.modality)}")
+    if arm == "image":
+        _check_grid(layout.image, f"{path}.image")
+    elif arm == "video":
+        video = layout.video
+        _check_grid(video, f"{path}.video")
+        if video.seconds_per_grid < 0 or not math.isfinite(video.seconds_per_grid):
+            raise _fail(f"{path}.video.seconds_per_grid", f"must be >= 0 seconds, got {video.seconds_per_grid}")
+        if video.grid_timestamps_s and len(video.grid_timestamps_s) != video.grid_t:
+            raise _fail(
+                f"{path}.video.grid_timestamps_s",
+                f"has {len(video.grid_timestamps_s)} entries; grid_t is {video.grid_t}",
+            )
+        if any(b < a for a, b in zip(video.grid_timestamps_s, video.grid_timestamps_s[1:], strict=False)):
+            raise _fail(f"{path}.video.grid_timestamps_s", "must be non-decreasing")
+        if video.sampled_frames < 0:
+            raise _fail(f"{path}.video.sampled_frames", f"must be >= 0 frames, got {video.sampled_frames}")
+    else:
+        audio = layout.audio
+        if audio.feature_length <= 0:
+            raise _fail(f"{path}.audio.feature_length", f"must be > 0 frames, got {audio.feature_length}")
+        if audio.output_length != layout.placeholder_token_count:
+            raise _fail(
+                f"{path}.audio.output_length",
+                f"{audio.output_length} tokens does not match placeholder_token_count {layout.placeholder_token_count}",
+            )
+
+
+def validate_encoded_media(item: layout_pb2.EncodedMedia, path: str, limits: Limits) -> None:
+    """Check layout and handle, and that the embeddings tensor has one row per placeholder."""
+    if not item.HasField("layout"):
+        raise _fail(f"{path}.layout", "is required")
+    validate_item_layout(item.layout, f"{path}.layout", limits)
+    if not item.HasField("embeddings"):
+        raise _fail(f"{path}.embeddings", "is required")
+    validate_tensor_handle(item.embeddings, f"{path}.embeddings", limits)
+    for i, desc in enumerate(item.embeddings.tensors):
+        shape = list(desc.spec.shape)
+        if desc.name == "embeddings" and (len(shape) != 2 or shape[0] != item.layout.placeholder_token_count):
+            raise _fail(
+                f"{path}.embeddings.tensors[{i}].spec.shape",
+                f"{shape} does not match [placeholder_token_count, width] with "
+                f"placeholder_token_count={item.layout.placeholder_token_count}",
+            )
+    if "embeddings" not in {d.name for d in item.embeddings.tensors}:
+        raise _fail(f"{path}.embeddings.tensors", "needs a tensor named 'embeddings'")
+
+
+# --- chat and sampling -----------------------------------------------------------------------
+
+
+def validate_messages(messages: Sequence[chat_pb2.ChatMessage], path: str, limits: Limits, media_kind: str) -> None:
+    """Check a conversation. `media_kind` is the part kind media must take here: "media" at the
+    router (client media) or "encoded" at prefill (metadata-only references)."""
+    _check_count(messages, path, 1, limits.max_messages)
+    forbidden = "encoded" if media_kind == "media" else "media"
+    media_count = 0
+    for m, message in enumerate(messages):
+        mpath = f"{path}[{m}]"
+        _require_enum(message.role, f"{mpath}.role", "CHAT_ROLE", chat_pb2.ChatRole.values())
+        _check_count(message.parts, f"{mpath}.parts", 1, limits.max_parts_per_message)
+        for p, part in enumerate(message.parts):
+            ppath = f"{mpath}.parts[{p}]"
+            kind = part.WhichOneof("kind")
+            if kind is None:
+                raise _fail(f"{ppath}.kind", "one of text, media or encoded is required")
+            if kind == forbidden:
+                raise _fail(f"{ppath}.{kind}", f"not accepted here; media must be sent as `{media_kind}`")
+            if kind == "text":
+                if len(part.text.encode()) > limits.max_text_bytes:
+                    raise _fail(f"{ppath}.text", f"exceeds {limits.max_text_bytes} bytes")
+                continue
+            media_count += 1
+            if media_count > limits.max_media_items:
+                raise _fail(ppath, f"request has more than {limits.max_media_items} media items")
+            if kind == "media":
+                validate_media_item(part.media, f"{ppath}.media", limits)
+            else:
+                validate_encoded_media(part.encoded, f"{ppath}.encoded", limits)
+                if part.encoded.layout.item_index != media_count - 1:
+                    raise _fail(
+                        f"{ppath}.encoded.layout.item_index",
+                        f"is {part.encoded.layout.item_index}; items must appear in order (expected {media_count - 1})",
+                    )
+
+
+def validate_sampling(sampling: sampling_pb2.SamplingParams, path: str, limits: Limits) -> None:
+    """Check sampling parameters are in range and stop conditions are bounded."""
+    if not (math.isfinite(sampling.temperature) and 0 <= sampling.temperature <= 100):
+        raise _fail(f"{path}.temperature", f"must be in [0, 100], got {sampling.temperature}")
+    if sampling.HasField("top_p") and not 0 < sampling.top_p <= 1:
+        raise _fail(f"{path}.top_p", f"must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_k < 0:
+        raise _fail(f"{path}.top_k", f"must be >= 0, got {sampling.top_k}")
+    if not 0 <= sampling.max_tokens <= limits.max_tokens:
+        raise _fail(f"{path}.max_tokens", f"must be in [1, {limits.max_tokens}] tokens, got {sampling.max_tokens}")
+    _check_count(sampling.stop, f"{path}.stop", 0, limits.max_stop_sequences)
+    for i, stop in enumerate(sampling.stop):
+        if not stop:
+            raise _fail(f"{path}.stop[{i}]", "must not be empty")
+        if len(stop) > limits.max_stop_sequence_chars:
+            raise _fail(f"{path}.stop[{i}]", f"exceeds {limits.max_stop_sequence_chars} characters")
+    _check_count(sampling.stop_token_ids, f"{path}.stop_token_ids", 0, limits.max_stop_token_ids)
+    for i, token in enumerate(sampling.stop_token_ids):
+        if token < 0:
+            raise _fail(f"{path}.stop_token_ids[{i}]", f"must be >= 0, got {token}")
+
+
+def _validate_transports(transports: Sequence[int], path: str) -> None:
+    _check_count(transports, path, 1, len(tensor_pb2.TransportKind.values()))
+    for i, transport in enumerate(transports):
+        _require_enum(transport, f"{path}[{i}]", "TRANSPORT_KIND", tensor_pb2.TransportKind.values())
+
+
+def validate_kv_cache(kv: prefill_pb2.KvCache, path: str, limits: Limits) -> None:
+    """Check a KV cache: positive layout, one key and one value tensor per layer, each
+    [num_kv_heads, num_tokens, head_dim] of the layout's dtype."""
+    layout = kv.layout
+    for name in ("num_layers", "num_kv_heads", "head_dim", "num_tokens"):
+        if getattr(layout, name) <= 0:
+            raise _fail(f"{path}.layout.{name}", f"must be > 0, got {getattr(layout, name)}")
+    _require_enum(layout.dtype, f"{path}.layout.dtype", "D_TYPE", tensor_pb2.DType.values())
+    if not kv.HasField("handle"):
+        raise _fail(f"{path}.handle", "is required")
+    validate_tensor_handle(kv.handle, f"{path}.handle", limits)
+    if len(kv.handle.tensors) != 2 * layout.num_layers:
+        raise _fail(
+            f"{path}.handle.tensors",
+            f"has {len(kv.handle.tensors)} tensors; 2 * num_layers is {2 * layout.num_layers}",
+        )
+    want_shape = [layout.num_kv_heads, layout.num_tokens, layout.head_dim]
+    for i, desc in enumerate(kv.handle.tensors):
+        tpath = f"{path}.handle.tensors[{i}]"
+        match = _KV_TENSOR_NAME.match(desc.name)
+        if match is None or int(match.group(1)) >= layout.num_layers:
+            raise _fail(f"{tpath}.name", f"{desc.name!r} is not layers.<i>.key|value with i < num_layers")
+        if list(desc.spec.shape) != want_shape:
+            raise _fail(f"{tpath}.spec.shape", f"{list(desc.spec.shape)} != {want_shape}")
+        if desc.spec.dtype != layout.dtype:
+            raise _fail(f"{tpath}.spec.dtype", "differs from layout.dtype")
+
+
+def validate_decode_state(state: prefill_pb2.DecodeState, path: str, limits: Limits) -> None:
+    """Check decode's per-sequence state."""
+    if state.next_input_token_id < 0:
+        raise _fail(f"{path}.next_input_token_id", f"must be >= 0, got {state.next_input_token_id}")
+    if state.generated_tokens < 1:
+        raise _fail(f"{path}.generated_tokens", f"must be >= 1 (prefill emits one), got {state.generated_tokens}")
+    if state.prompt_tokens < 1:
+        raise _fail(f"{path}.prompt_tokens", f"must be >= 1, got {state.prompt_tokens}")
+
+
+# --- requests --------------------------------------------------------------------------------
+
+
+def validate_generate_request(req: generate_pb2.GenerateRequest, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Router / colocated `Generate`: client media inline or by URI; request id optional."""
+    _check_request_id(req.request_id, "request_id", limits, required=False)
+    validate_messages(req.messages, "messages", limits, media_kind="media")
+    validate_sampling(req.sampling, "sampling", limits)
+
+
+def validate_encode_request(req: encoder_pb2.EncodeRequest, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Encoder `Encode`: bounded items with distinct indexes; accepted transports."""
+    _check_request_id(req.request_id, "request_id", limits)
+    _check_count(req.items, "items", 1, limits.max_media_items)
+    seen: set[int] = set()
+    for i, item in enumerate(req.items):
+        if item.item_index in seen:
+            raise _fail(f"items[{i}].item_index", f"duplicate item_index {item.item_index}")
+        seen.add(item.item_index)
+        if not item.HasField("media"):
+            raise _fail(f"items[{i}].media", "is required")
+        validate_media_item(item.media, f"items[{i}].media", limits)
+    _validate_transports(req.accepted_transports, "accepted_transports")
+
+
+def validate_prefill_request(req: prefill_pb2.PrefillRequest, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Prefill: metadata-only conversation (media only as `encoded`), KV transports."""
+    _check_request_id(req.request_id, "request_id", limits)
+    validate_messages(req.messages, "messages", limits, media_kind="encoded")
+    validate_sampling(req.sampling, "sampling", limits)
+    _validate_transports(req.accepted_kv_transports, "accepted_kv_transports")
+
+
+def validate_prefill_decode_request(
+    req: prefill_decode_pb2.PrefillDecodeRequest, limits: Limits = DEFAULT_LIMITS
+) -> None:
+    """PD (E+PD layout): metadata-only conversation."""
+    _check_request_id(req.request_id, "request_id", limits)
+    validate_messages(req.messages, "messages", limits, media_kind="encoded")
+    validate_sampling(req.sampling, "sampling", limits)
+
+
+def validate_decode_request(req: decode_pb2.DecodeRequest, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Decode: a consistent KV cache and decode state."""
+    _check_request_id(req.request_id, "request_id", limits)
+    if not req.HasField("kv_cache"):
+        raise _fail("kv_cache", "is required")
+    validate_kv_cache(req.kv_cache, "kv_cache", limits)
+    if not req.HasField("decode_state"):
+        raise _fail("decode_state", "is required")
+    validate_decode_state(req.decode_state, "decode_state", limits)
+    if req.decode_state.prompt_tokens + req.decode_state.generated_tokens - 1 != req.kv_cache.layout.num_tokens:
+        raise _fail(
+            "kv_cache.layout.num_tokens",
+            f"is {req.kv_cache.layout.num_tokens}; decode_state implies "
+            f"{req.decode_state.prompt_tokens + req.decode_state.generated_tokens - 1}",
+        )
+    validate_sampling(req.sampling, "sampling", limits)
+
+
+def validate_release_leases_request(req: lease_pb2.ReleaseLeasesRequest, limits: Limits = DEFAULT_LIMITS) -> None:
+    """`ReleaseLeases`: non-empty bounded lease ids and a reason."""
+    _check_count(req.lease_ids, "lease_ids", 1, limits.max_lease_ids)
+    for i, lease_id in enumerate(req.lease_ids):
+        if not lease_id:
+            raise _fail(f"lease_ids[{i}]", "must not be empty")
+    _require_enum(req.reason, "reason", "RELEASE_REASON", lease_pb2.ReleaseReason.values())
+
+
+def validate_get_service_info_request(
+    req: service_info_pb2.GetServiceInfoRequest, limits: Limits = DEFAULT_LIMITS
+) -> None:
+    """`GetServiceInfo`: the caller's version is optional; when given, its major must be > 0."""
+    if req.HasField("caller_contract_version") and req.caller_contract_version.major == 0:
+        raise _fail("caller_contract_version.major", "must be >= 1 when the version is given")

@@ -1,0 +1,101 @@
+"""OpenTelemetry SDK set-up shared by every EPD process.
+
+The resource names the service (`service.name`, `service.version`, `service.instance.id`);
+the exporter is chosen by configuration: none, a local JSONL file (the embedded default used by
+`make run`), OTLP/gRPC to any collector, or the console.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SpanExporter,
+    SpanExportResult,
+)
+
+EXPORTERS = ("none", "jsonl", "otlp", "console")
+
+
+class JsonlSpanExporter(SpanExporter):
+    """Appends one JSON object per finished span to a file (the OTel SDK's JSON span form)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._file = self._path.open("a", encoding="utf-8")
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = "".join(json.dumps(json.loads(span.to_json()), separators=(",", ":")) + "\n" for span in spans)
+        with self._lock:
+            if self._file.closed:
+                return SpanExportResult.FAILURE
+            self._file.write(lines)
+            self._file.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+@dataclass
+class TracingHandle:
+    """The configured provider; call `shutdown()` before exit to flush pending spans."""
+
+    provider: TracerProvider
+    instance_id: str
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()
+
+
+def make_exporter(kind: str, trace_file: Path | None = None, otlp_endpoint: str | None = None) -> SpanExporter | None:
+    """The span exporter for `kind` (one of EXPORTERS); None for "none"."""
+    if kind == "none":
+        return None
+    if kind == "jsonl":
+        if trace_file is None:
+            raise ValueError("trace_exporter=jsonl needs a trace file")
+        return JsonlSpanExporter(trace_file)
+    if kind == "otlp":
+        # Imported lazily: the exporter pulls in protobuf/grpc modules most processes never need.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=otlp_endpoint or "127.0.0.1:4317", insecure=True)
+    if kind == "console":
+        return ConsoleSpanExporter()
+    raise ValueError(f"unknown trace exporter {kind!r}; expected one of {', '.join(EXPORTERS)}")
+
+
+def configure_tracing(
+    service_name: str,
+    service_version: str,
+    exporter: str = "none",
+    trace_file: Path | None = None,
+    otlp_endpoint: str | None = None,
+    set_global: bool = True,
+) -> TracingHandle:
+    """Build a tracer provider for this process and (by default) install it globally."""
+    instance_id = uuid.uuid4().hex
+    resource = Resource.create(
+        {"service.name": service_name, "service.version": service_version, "service.instance.id": instance_id}
+    )
+    provider = TracerProvider(resource=resource)
+    span_exporter = make_exporter(exporter, trace_file, otlp_endpoint)
+    if span_exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    if set_global:
+        trace.set_tracer_provider(provider)
+    return TracingHandle(provider=provider, instance_id=instance_id)

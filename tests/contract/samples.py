@@ -1,0 +1,225 @@
+"""Valid, fully populated epd.v1 requests, one builder per request type. Tests mutate copies."""
+
+from __future__ import annotations
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from libs.contract.epd.v1 import (
+    chat_pb2,
+    decode_pb2,
+    encoder_pb2,
+    generate_pb2,
+    layout_pb2,
+    lease_pb2,
+    media_pb2,
+    prefill_decode_pb2,
+    prefill_pb2,
+    sampling_pb2,
+    service_info_pb2,
+    tensor_pb2,
+)
+
+PNG_BYTES = b"\x89PNG\r\n\x1a\n" + bytes(range(64))
+WIDTH = 8
+
+
+def sampling() -> sampling_pb2.SamplingParams:
+    return sampling_pb2.SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=20, seed=1234, max_tokens=32, stop=["\n\n"], stop_token_ids=[2]
+    )
+
+
+def media(modality: int = media_pb2.MODALITY_IMAGE) -> media_pb2.MediaItem:
+    return media_pb2.MediaItem(
+        modality=modality,
+        data=PNG_BYTES,
+        mime_type="image/png",
+        id="client-item-1",
+        processor_options=media_pb2.ProcessorOptions(min_pixels=3136, max_pixels=1 << 20),
+    )
+
+
+def nixl_handle(rows: int, lease_id: str = "lease-1") -> tensor_pb2.TensorHandle:
+    nbytes = rows * WIDTH * 4
+    return tensor_pb2.TensorHandle(
+        transport=tensor_pb2.TRANSPORT_KIND_NIXL,
+        agent=tensor_pb2.NixlAgentRef(agent_name="encoder-0", instance_id="a1b2", producer_address="127.0.0.1:50051"),
+        lease_id=lease_id,
+        lease_expire_time=Timestamp(seconds=1_900_000_000),
+        tensors=[
+            tensor_pb2.TensorDescriptor(
+                name="embeddings",
+                spec=tensor_pb2.TensorSpec(
+                    shape=[rows, WIDTH],
+                    dtype=tensor_pb2.D_TYPE_FLOAT32,
+                    nbytes=nbytes,
+                    layout=tensor_pb2.TENSOR_LAYOUT_ROW_MAJOR,
+                ),
+                regions=[
+                    tensor_pb2.MemoryRegion(
+                        address=0x7F00_0000_0000, length=nbytes, device_id=0, memory_kind=tensor_pb2.MEMORY_KIND_CPU
+                    )
+                ],
+                checksum=tensor_pb2.Checksum(algorithm=tensor_pb2.CHECKSUM_ALGORITHM_CRC32, value=0xDEADBEEF),
+            )
+        ],
+    )
+
+
+def encoded_image(item_index: int = 0) -> layout_pb2.EncodedMedia:
+    return layout_pb2.EncodedMedia(
+        layout=layout_pb2.ItemLayout(
+            modality=media_pb2.MODALITY_IMAGE,
+            item_index=item_index,
+            mm_hash="9f" * 32,
+            placeholder_token_count=4,
+            image=layout_pb2.ImageLayout(grid_t=1, grid_h=4, grid_w=4),
+        ),
+        embeddings=nixl_handle(rows=4, lease_id=f"lease-{item_index}"),
+    )
+
+
+def encoded_video(item_index: int) -> layout_pb2.EncodedMedia:
+    return layout_pb2.EncodedMedia(
+        layout=layout_pb2.ItemLayout(
+            modality=media_pb2.MODALITY_VIDEO,
+            item_index=item_index,
+            mm_hash="ab" * 32,
+            placeholder_token_count=8,
+            video=layout_pb2.VideoLayout(
+                grid_t=2, grid_h=4, grid_w=4, seconds_per_grid=1.0, grid_timestamps_s=[0.0, 1.0], sampled_frames=4
+            ),
+        ),
+        embeddings=nixl_handle(rows=8, lease_id=f"lease-{item_index}"),
+    )
+
+
+def encoded_audio(item_index: int) -> layout_pb2.EncodedMedia:
+    return layout_pb2.EncodedMedia(
+        layout=layout_pb2.ItemLayout(
+            modality=media_pb2.MODALITY_AUDIO,
+            item_index=item_index,
+            mm_hash="cd" * 32,
+            placeholder_token_count=6,
+            audio=layout_pb2.AudioLayout(feature_length=200, output_length=6, duration_s=2.0),
+        ),
+        embeddings=nixl_handle(rows=6, lease_id=f"lease-{item_index}"),
+    )
+
+
+def _text(text: str) -> chat_pb2.ContentPart:
+    return chat_pb2.ContentPart(text=text)
+
+
+def generate_request() -> generate_pb2.GenerateRequest:
+    return generate_pb2.GenerateRequest(
+        request_id="req-1",
+        messages=[
+            chat_pb2.ChatMessage(role=chat_pb2.CHAT_ROLE_SYSTEM, parts=[_text("Be brief.")]),
+            chat_pb2.ChatMessage(
+                role=chat_pb2.CHAT_ROLE_USER,
+                parts=[chat_pb2.ContentPart(media=media()), _text("What is in the image?")],
+            ),
+        ],
+        sampling=sampling(),
+    )
+
+
+def encode_request() -> encoder_pb2.EncodeRequest:
+    return encoder_pb2.EncodeRequest(
+        request_id="req-1",
+        items=[
+            encoder_pb2.EncodeItem(item_index=0, media=media()),
+            encoder_pb2.EncodeItem(item_index=1, media=media()),
+        ],
+        accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL, tensor_pb2.TRANSPORT_KIND_INLINE],
+    )
+
+
+def _metadata_only_messages() -> list[chat_pb2.ChatMessage]:
+    return [
+        chat_pb2.ChatMessage(
+            role=chat_pb2.CHAT_ROLE_USER,
+            parts=[
+                chat_pb2.ContentPart(encoded=encoded_image(0)),
+                chat_pb2.ContentPart(encoded=encoded_video(1)),
+                chat_pb2.ContentPart(encoded=encoded_audio(2)),
+                _text("Describe all three."),
+            ],
+        )
+    ]
+
+
+def prefill_request() -> prefill_pb2.PrefillRequest:
+    return prefill_pb2.PrefillRequest(
+        request_id="req-1",
+        messages=_metadata_only_messages(),
+        sampling=sampling(),
+        accepted_kv_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+    )
+
+
+def prefill_decode_request() -> prefill_decode_pb2.PrefillDecodeRequest:
+    return prefill_decode_pb2.PrefillDecodeRequest(
+        request_id="req-1", messages=_metadata_only_messages(), sampling=sampling()
+    )
+
+
+def kv_cache(num_layers: int = 2, heads: int = 2, tokens: int = 10, head_dim: int = 4) -> prefill_pb2.KvCache:
+    nbytes = heads * tokens * head_dim * 2
+    tensors = []
+    for layer in range(num_layers):
+        for kind in ("key", "value"):
+            tensors.append(
+                tensor_pb2.TensorDescriptor(
+                    name=f"layers.{layer}.{kind}",
+                    spec=tensor_pb2.TensorSpec(
+                        shape=[heads, tokens, head_dim],
+                        dtype=tensor_pb2.D_TYPE_BFLOAT16,
+                        nbytes=nbytes,
+                        layout=tensor_pb2.TENSOR_LAYOUT_ROW_MAJOR,
+                    ),
+                    regions=[
+                        tensor_pb2.MemoryRegion(
+                            address=0x1000 * (len(tensors) + 1), length=nbytes, memory_kind=tensor_pb2.MEMORY_KIND_CPU
+                        )
+                    ],
+                )
+            )
+    return prefill_pb2.KvCache(
+        layout=prefill_pb2.KvCacheLayout(
+            num_layers=num_layers,
+            num_kv_heads=heads,
+            head_dim=head_dim,
+            num_tokens=tokens,
+            dtype=tensor_pb2.D_TYPE_BFLOAT16,
+        ),
+        handle=tensor_pb2.TensorHandle(
+            transport=tensor_pb2.TRANSPORT_KIND_NIXL,
+            agent=tensor_pb2.NixlAgentRef(agent_name="prefill-0", instance_id="p1", producer_address="127.0.0.1:50061"),
+            lease_id="kv-lease-1",
+            lease_expire_time=Timestamp(seconds=1_900_000_000),
+            tensors=tensors,
+        ),
+    )
+
+
+def decode_request() -> decode_pb2.DecodeRequest:
+    return decode_pb2.DecodeRequest(
+        request_id="req-1",
+        kv_cache=kv_cache(tokens=10),
+        decode_state=prefill_pb2.DecodeState(
+            next_input_token_id=42, rope_delta=-3, generated_tokens=1, generated_text="The", prompt_tokens=10
+        ),
+        sampling=sampling(),
+    )
+
+
+def release_leases_request() -> lease_pb2.ReleaseLeasesRequest:
+    return lease_pb2.ReleaseLeasesRequest(lease_ids=["lease-0", "lease-1"], reason=lease_pb2.RELEASE_REASON_ABANDONED)
+
+
+def get_service_info_request() -> service_info_pb2.GetServiceInfoRequest:
+    return service_info_pb2.GetServiceInfoRequest(
+        caller_contract_version=service_info_pb2.ContractVersion(major=1, minor=0)
+    )

@@ -1,0 +1,75 @@
+"""Tracing bootstrap: resource attributes, the JSONL exporter, and OTLP/gRPC export to a real
+receiver (opentelemetry-proto's collector service) on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from libs.telemetry import configure_tracing
+
+
+def test_jsonl_exporter_writes_spans_with_resource(tmp_path: Path) -> None:
+    path = tmp_path / "traces" / "spans.jsonl"
+    handle = configure_tracing("prefill", "0.1.0", exporter="jsonl", trace_file=path, set_global=False)
+    tracer = handle.provider.get_tracer("test")
+    with tracer.start_as_current_span("prefill") as parent, tracer.start_as_current_span("compute") as child:
+        child.set_attribute("epd.tokens", 12)
+    handle.shutdown()
+
+    spans = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [s["name"] for s in spans] == ["compute", "prefill"]
+    compute, prefill = spans
+    assert compute["parent_id"] == prefill["context"]["span_id"]
+    assert compute["context"]["trace_id"] == prefill["context"]["trace_id"]
+    assert compute["attributes"]["epd.tokens"] == 12
+    resource = prefill["resource"]["attributes"]
+    assert resource["service.name"] == "prefill" and resource["service.version"] == "0.1.0"
+    assert resource["service.instance.id"] == handle.instance_id
+    assert parent.get_span_context().span_id == int(prefill["context"]["span_id"], 16)
+
+
+class _Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self) -> None:
+        self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
+        self.received = threading.Event()
+
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        self.requests.append(request)
+        self.received.set()
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def test_otlp_exporter_reaches_a_real_receiver() -> None:
+    receiver = _Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        handle = configure_tracing(
+            "decode", "0.1.0", exporter="otlp", otlp_endpoint=f"127.0.0.1:{port}", set_global=False
+        )
+        with handle.provider.get_tracer("test").start_as_current_span("decode"):
+            pass
+        handle.shutdown()
+        assert receiver.received.wait(10)
+        (resource_spans,) = receiver.requests[0].resource_spans
+        attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+        assert attrs["service.name"] == "decode"
+        assert [s.name for s in resource_spans.scope_spans[0].spans] == ["decode"]
+    finally:
+        server.stop(grace=None)
+
+
+def test_unknown_exporter_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown trace exporter 'zipkin'"):
+        configure_tracing("x", "0", exporter="zipkin", set_global=False)
