@@ -1,0 +1,53 @@
+"""Admission control without a socket: bounded running and waiting, deadlines while waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from libs.contract.errors import DeadlineExceeded, ResourceExhausted
+from libs.rpc.admission import Admission, deadline_of
+
+
+def test_bounds_running_and_waiting_then_returns_to_empty() -> None:
+    async def scenario() -> None:
+        admission = Admission("prefill", max_running=2, max_waiting=1)
+        release = asyncio.Event()
+        peak = 0
+
+        async def work() -> None:
+            nonlocal peak
+            async with admission.slot():
+                peak = max(peak, admission.running)
+                await release.wait()
+
+        tasks = [asyncio.ensure_future(work()) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert (admission.running, admission.waiting) == (2, 1)
+        with pytest.raises(ResourceExhausted, match="prefill is full: 2 running, 1 waiting"):
+            async with admission.slot():
+                pass
+        release.set()
+        await asyncio.gather(*tasks)
+        assert peak == 2
+        assert (admission.running, admission.waiting) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_deadline_while_waiting() -> None:
+    async def scenario() -> None:
+        admission = Admission("decode", max_running=1, max_waiting=4)
+        async with admission.slot():
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded, match="waiting for decode"):
+                async with admission.slot(deadline=deadline_of(0.1)):
+                    pass
+            assert time.monotonic() - started < 2
+        assert (admission.running, admission.waiting) == (0, 0)
+        async with admission.slot(deadline=deadline_of(1.0)):
+            assert admission.running == 1
+
+    asyncio.run(scenario())

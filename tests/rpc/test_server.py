@@ -1,0 +1,96 @@
+"""EpdServer over a real loopback socket: health, reflection, service info, status mapping, and a
+graceful stop that lets in-flight RPCs finish while refusing new ones."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from libs.contract import version
+from libs.contract.epd.v1 import (
+    encoder_pb2,
+    encoder_pb2_grpc,
+    service_info_pb2,
+    service_info_pb2_grpc,
+)
+from libs.contract.validation import validate_encode_request
+from libs.rpc.server import EpdServer, ServerOptions, channel_options
+from tests.contract import samples
+
+
+class SlowEncoder(encoder_pb2_grpc.EncoderServiceServicer):
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+
+    async def Encode(self, request: encoder_pb2.EncodeRequest, context: Any) -> encoder_pb2.EncodeResponse:
+        validate_encode_request(request)
+        self.started.set()
+        await asyncio.sleep(float(request.request_id.split("-")[1]) / 1000)
+        return encoder_pb2.EncodeResponse()
+
+
+def _info() -> service_info_pb2.ServiceInfo:
+    return service_info_pb2.ServiceInfo(
+        contract_version=version.current(),
+        role=service_info_pb2.SERVICE_ROLE_ENCODER,
+        instance_id="inst-1",
+        model=service_info_pb2.ModelIdentity(model_id="tiny", revision="local", weights_digest="00"),
+    )
+
+
+def _request(sleep_ms: int) -> encoder_pb2.EncodeRequest:
+    request = samples.encode_request()
+    request.request_id = f"sleep-{sleep_ms}"
+    return request
+
+
+def test_standard_services_and_graceful_stop() -> None:
+    async def scenario() -> None:
+        encoder = SlowEncoder()
+        server = EpdServer(ServerOptions(grace_s=5.0), _info)
+        server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, encoder, "epd.v1.EncoderService")
+        port = await server.start()
+        assert port > 0 and server.address == f"127.0.0.1:{port}"
+        async with grpc.aio.insecure_channel(server.address, options=channel_options()) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", "epd.v1.EncoderService", "epd.v1.ServiceInfoService"):
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+            info = await service_info_pb2_grpc.ServiceInfoServiceStub(channel).GetServiceInfo(
+                service_info_pb2.GetServiceInfoRequest(caller_contract_version=version.current()), timeout=5
+            )
+            assert info.info.role == service_info_pb2.SERVICE_ROLE_ENCODER
+            assert (info.info.contract_version.major, info.info.contract_version.minor) == (1, 0)
+
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+            services: set[str] = set()
+            async for reply in reflect.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            ):
+                services = {s.name for s in reply.list_services_response.service}
+            assert {"epd.v1.EncoderService", "epd.v1.ServiceInfoService", "grpc.health.v1.Health"} <= services
+
+            stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+            bad = _request(0)
+            bad.ClearField("accepted_transports")
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Encode(bad, timeout=5)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+            in_flight = asyncio.ensure_future(stub.Encode(_request(800), timeout=10))
+            await asyncio.wait_for(encoder.started.wait(), 5)
+            stopping = asyncio.ensure_future(server.stop())
+            await asyncio.sleep(0.1)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Encode(_request(0), timeout=5)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert isinstance(await in_flight, encoder_pb2.EncodeResponse)  # finished within the grace period
+            await stopping
+
+    asyncio.run(scenario())
