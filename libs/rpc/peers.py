@@ -1,0 +1,126 @@
+"""Peer handshake: every consumer reads a producer's `ServiceInfo` at first contact and checks it.
+
+`PeerDirectory` keeps one channel per peer address and that peer's checked `ServiceInfo`. It is
+re-read when a handle names a different `instance_id` than the cached one (the peer restarted) or
+on demand. A peer that cannot be reached is UNAVAILABLE; one that speaks another contract major,
+serves another model, has an unexpected role, or advertises different embedding specs is
+FAILED_PRECONDITION, with both sides named.
+
+Called by the router (for encoders, prefill, decode) and by prefill / decode (for the producers
+whose tensors they read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+import grpc
+
+from libs.contract import version
+from libs.contract.epd.v1 import media_pb2, service_info_pb2, service_info_pb2_grpc, tensor_pb2
+from libs.contract.errors import FailedPrecondition, Unavailable
+from libs.rpc.server import channel_options
+
+
+def _model(m: service_info_pb2.ModelIdentity) -> str:
+    return f"{m.model_id}@{m.revision} (weights {m.weights_digest[:12] or '?'})"
+
+
+def check_peer(
+    info: service_info_pb2.ServiceInfo,
+    address: str,
+    *,
+    roles: Iterable[int],
+    model: service_info_pb2.ModelIdentity | None = None,
+) -> None:
+    """Raise FailedPrecondition when the peer at `address` cannot serve us."""
+    problem = version.incompatibility(info.contract_version)
+    if problem:
+        raise FailedPrecondition(f"peer {address}: {problem}")
+    allowed = set(roles)
+    if info.role not in allowed:
+        names = ", ".join(sorted(service_info_pb2.ServiceRole.Name(r) for r in allowed))  # type: ignore[arg-type]
+        raise FailedPrecondition(
+            f"peer {address} has role {service_info_pb2.ServiceRole.Name(info.role)}; expected one of {names}"
+        )
+    if model is not None and (info.model.model_id, info.model.weights_digest) != (model.model_id, model.weights_digest):
+        raise FailedPrecondition(f"peer {address} serves {_model(info.model)}; this service serves {_model(model)}")
+
+
+def check_embedding_specs(
+    expected: Iterable[service_info_pb2.EmbeddingSpec], info: service_info_pb2.ServiceInfo, address: str
+) -> None:
+    """Raise FailedPrecondition when an encoder's advertised specs differ from what we consume."""
+    theirs = {spec.modality: spec for spec in info.embedding_specs}
+    for ours in expected:
+        name = media_pb2.Modality.Name(ours.modality)
+        spec = theirs.get(ours.modality)
+        if spec is None:
+            raise FailedPrecondition(f"peer {address} does not encode {name}")
+        mine = (ours.width, ours.dtype, sorted((t.name, t.width, t.dtype) for t in ours.extra_tensors))
+        peer = (spec.width, spec.dtype, sorted((t.name, t.width, t.dtype) for t in spec.extra_tensors))
+        if mine != peer:
+            raise FailedPrecondition(
+                f"peer {address} {name} embedding spec (width {spec.width}, {tensor_pb2.DType.Name(spec.dtype)}, "
+                f"{len(spec.extra_tensors)} extra) differs from ours (width {ours.width}, "
+                f"{tensor_pb2.DType.Name(ours.dtype)}, {len(ours.extra_tensors)} extra)"
+            )
+
+
+class PeerDirectory:
+    """Channels to peers and their checked service info (use from one event loop)."""
+
+    def __init__(
+        self,
+        *,
+        roles: Iterable[int],
+        model: service_info_pb2.ModelIdentity | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self._roles = tuple(roles)
+        self._model = model
+        self._timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._infos: dict[str, service_info_pb2.ServiceInfo] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """The (shared) channel to `address`."""
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=channel_options())
+        return self._channels[address]
+
+    async def info(
+        self, address: str, *, instance_id: str | None = None, refresh: bool = False
+    ) -> service_info_pb2.ServiceInfo:
+        """The checked service info of `address`; re-read when `instance_id` differs from the cached one."""
+        cached = self._infos.get(address)
+        if cached is not None and not refresh and instance_id in (None, cached.instance_id):
+            return cached
+        async with self._locks.setdefault(address, asyncio.Lock()):
+            cached = self._infos.get(address)
+            if cached is not None and not refresh and instance_id in (None, cached.instance_id):
+                return cached
+            stub = service_info_pb2_grpc.ServiceInfoServiceStub(self.channel(address))
+            try:
+                reply = await stub.GetServiceInfo(
+                    service_info_pb2.GetServiceInfoRequest(caller_contract_version=version.current()),
+                    timeout=self._timeout_s,
+                )
+            except grpc.aio.AioRpcError as exc:
+                self._infos.pop(address, None)
+                raise Unavailable(f"peer {address} unreachable: {exc.code().name} {exc.details()}") from None
+            check_peer(reply.info, address, roles=self._roles, model=self._model)
+            self._infos[address] = reply.info
+            return reply.info
+
+    def forget(self, address: str) -> None:
+        """Drop the cached info of `address` (e.g. after it failed); the next call re-reads it."""
+        self._infos.pop(address, None)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close(None)
+        self._channels.clear()
+        self._infos.clear()

@@ -1,0 +1,103 @@
+"""Peer handshake against a real server: compatible peers pass and are cached; another contract
+major, model, role or embedding spec is FAILED_PRECONDITION; a dead address is UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from libs.contract import version
+from libs.contract.epd.v1 import media_pb2, service_info_pb2, tensor_pb2
+from libs.contract.errors import FailedPrecondition, Unavailable
+from libs.rpc.peers import PeerDirectory, check_embedding_specs
+from libs.rpc.server import EpdServer, ServerOptions
+
+MODEL = service_info_pb2.ModelIdentity(model_id="tiny-omni", revision="local", weights_digest="ab" * 32)
+ENCODER = service_info_pb2.SERVICE_ROLE_ENCODER
+
+
+def _spec(width: int) -> service_info_pb2.EmbeddingSpec:
+    return service_info_pb2.EmbeddingSpec(
+        modality=media_pb2.MODALITY_IMAGE, width=width, dtype=tensor_pb2.D_TYPE_FLOAT32
+    )
+
+
+class Peer:
+    """Service info a test can change between calls."""
+
+    def __init__(self) -> None:
+        self.info = service_info_pb2.ServiceInfo(
+            contract_version=version.current(),
+            model=MODEL,
+            role=ENCODER,
+            instance_id="one",
+            embedding_specs=[_spec(64)],
+        )
+        self.calls = 0
+
+    def __call__(self) -> service_info_pb2.ServiceInfo:
+        self.calls += 1
+        return self.info
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_handshake_checks_and_caches() -> None:
+    async def scenario() -> None:
+        peer = Peer()
+        server = EpdServer(ServerOptions(), peer)
+        await server.start()
+        peers = PeerDirectory(roles=[ENCODER], model=MODEL)
+        try:
+            info = await peers.info(server.address)
+            assert info.instance_id == "one"
+            await peers.info(server.address)
+            await peers.info(server.address, instance_id="one")
+            assert peer.calls == 1  # cached while the instance is unchanged
+
+            peer.info.instance_id = "two"  # the peer restarted
+            assert (await peers.info(server.address, instance_id="two")).instance_id == "two"
+            assert peer.calls == 2
+
+            peer.info.contract_version.major = 2
+            with pytest.raises(FailedPrecondition, match=r"peer speaks 2\.0, this service speaks 1\.0"):
+                await peers.info(server.address, refresh=True)
+            peer.info.contract_version.major = 1
+
+            peer.info.model.weights_digest = "cd" * 32
+            with pytest.raises(FailedPrecondition, match=r"serves tiny-omni@local \(weights cdcdcdcdcdcd\); this"):
+                await peers.info(server.address, refresh=True)
+            peer.info.model.CopyFrom(MODEL)
+
+            other = PeerDirectory(roles=[service_info_pb2.SERVICE_ROLE_DECODE])
+            with pytest.raises(
+                FailedPrecondition, match="role SERVICE_ROLE_ENCODER; expected one of SERVICE_ROLE_DECODE"
+            ):
+                await other.info(server.address)
+            await other.close()
+
+            gone = PeerDirectory(roles=[ENCODER], timeout_s=1.0)
+            with pytest.raises(Unavailable, match="unreachable"):
+                await gone.info(f"127.0.0.1:{_free_port()}")
+            await gone.close()
+        finally:
+            await peers.close()
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_embedding_specs_must_match() -> None:
+    info = Peer().info
+    check_embedding_specs([_spec(64)], info, "enc:1")
+    with pytest.raises(FailedPrecondition, match=r"width 64.*differs from ours \(width 128"):
+        check_embedding_specs([_spec(128)], info, "enc:1")
+    audio = service_info_pb2.EmbeddingSpec(modality=media_pb2.MODALITY_AUDIO, width=64, dtype=tensor_pb2.D_TYPE_FLOAT32)
+    with pytest.raises(FailedPrecondition, match="does not encode MODALITY_AUDIO"):
+        check_embedding_specs([audio], info, "enc:1")
