@@ -1,0 +1,279 @@
+"""The router's core: turns a client `GenerateRequest` into encoder jobs, a metadata-only prefill
+request, and a token stream, with retries and lease clean-up. No sockets here: backends are the
+generated gRPC stubs (or test doubles with the same methods), picked by `EncoderPool`.
+
+Flow per request:
+1. validate; assign a request id when the client gave none;
+2. one `Encode` job per media item, spread over encoders by least outstanding work; an encoder that
+   fails with UNAVAILABLE / DEADLINE_EXCEEDED / INTERNAL is retried once on another encoder;
+3. replace each `media` part by its `encoded` part, in place (the metadata-only request);
+4. E/P/D: `Prefill` then `Decode`; E+PD: `PrefillDecode`. If prefill reports an embedding gone
+   (NOT_FOUND / UNAVAILABLE) before any token was streamed, re-encode once and retry;
+5. whatever happens (error, cancel, deadline), release every lease the request still holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from libs.contract.epd.v1 import (
+    chat_pb2,
+    decode_pb2,
+    encoder_pb2,
+    generate_pb2,
+    generation_pb2,
+    layout_pb2,
+    lease_pb2,
+    prefill_decode_pb2,
+    prefill_pb2,
+    tensor_pb2,
+)
+from libs.contract.errors import DeadlineExceeded, EpdError, InvalidArgument, Unavailable
+from libs.contract.validation import Limits, validate_generate_request
+
+_log = structlog.get_logger(__name__)
+
+# Encoder failures worth another encoder; anything else (bad media) goes back to the client.
+_RETRYABLE_ENCODE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
+# Prefill failures meaning "an embedding is gone": re-encode once before any token was streamed.
+_EMBEDDING_GONE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE}
+
+
+class RpcFailed(EpdError):
+    """A backend answered with a non-OK status; re-raised to the client with the same code."""
+
+    def __init__(self, stage: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{stage}: {details}")
+        self.code = code  # type: ignore[misc]  # instance-level code: mirrors the backend's status
+        self.stage = stage
+
+
+@dataclass
+class Backends:
+    """How the router reaches each stage. `lease(address)` reaches any producer's LeaseService."""
+
+    encoder: Callable[[str], Any]  # address -> EncoderServiceStub
+    lease: Callable[[str], Any]  # address -> LeaseServiceStub
+    prefill: Any = None  # PrefillServiceStub (E/P/D)
+    decode: Any = None  # DecodeServiceStub (E/P/D)
+    prefill_decode: Any = None  # PrefillDecodeServiceStub (E+PD)
+
+
+class EncoderPool:
+    """Encoder addresses with their outstanding jobs; picks the least loaded (round-robin on ties)."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        if not addresses:
+            raise ValueError("at least one encoder address is needed")
+        self.outstanding = dict.fromkeys(addresses, 0)
+        self._order = itertools.count()
+        self._last_pick = dict.fromkeys(addresses, -1)
+
+    def pick(self, exclude: set[str] = frozenset()) -> str:  # type: ignore[assignment]
+        candidates = [a for a in self.outstanding if a not in exclude]
+        if not candidates:
+            raise Unavailable("no encoder left to try")
+        address = min(candidates, key=lambda a: (self.outstanding[a], self._last_pick[a]))
+        self._last_pick[address] = next(self._order)
+        return address
+
+
+@dataclass
+class RequestState:
+    """What one request holds: leases to release, whether tokens were streamed."""
+
+    request_id: str
+    leases: dict[str, set[str]] = field(default_factory=dict)  # producer address -> lease ids
+    streamed: bool = False
+
+    def hold(self, handle: tensor_pb2.TensorHandle) -> None:
+        self.leases.setdefault(handle.agent.producer_address, set()).add(handle.lease_id)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded("request deadline passed in the router")
+    return left
+
+
+def _rpc_error(stage: str, exc: grpc.aio.AioRpcError) -> RpcFailed:
+    return RpcFailed(stage, exc.code(), exc.details() or exc.code().name)
+
+
+class Router:
+    """Serves `Generate` over an encoder pool and a prefill/decode (or PD) backend."""
+
+    def __init__(self, backends: Backends, encoders: EncoderPool, limits: Limits | None = None) -> None:
+        if backends.prefill_decode is None and (backends.prefill is None or backends.decode is None):
+            raise ValueError("need prefill and decode stubs (E/P/D) or a prefill-decode stub (E+PD)")
+        self._backends = backends
+        self._encoders = encoders
+        self._limits = limits or Limits()
+
+    async def generate(
+        self, request: generate_pb2.GenerateRequest, deadline: float | None = None
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Stream the reply to `request`; `deadline` is a `time.monotonic()` instant."""
+        validate_generate_request(request, self._limits)
+        state = RequestState(request.request_id or uuid.uuid4().hex)
+        try:
+            async for chunk, usage in self._run(request, state, deadline):
+                state.streamed = True
+                response = generate_pb2.GenerateResponse(request_id=state.request_id, chunk=chunk)
+                if usage is not None:
+                    response.usage.CopyFrom(usage)
+                yield response
+        finally:
+            # Normal completion leaves nothing (consumers acked); failure and cancel may.
+            await asyncio.shield(self._release_all(state))
+
+    async def _run(
+        self, request: generate_pb2.GenerateRequest, state: RequestState, deadline: float | None
+    ) -> AsyncIterator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]]:
+        for attempt in range(2):
+            messages = await self._encode_all(request, state, deadline)
+            try:
+                async for item in self._prefill_and_decode(messages, request, state, deadline):
+                    yield item
+                return
+            except RpcFailed as exc:
+                if attempt == 0 and exc.stage == "prefill" and exc.code in _EMBEDDING_GONE and not state.streamed:
+                    _log.warning("embedding gone before prefill; re-encoding", request_id=state.request_id)
+                    await self._release_all(state)
+                    continue
+                raise
+
+    async def _encode_all(
+        self, request: generate_pb2.GenerateRequest, state: RequestState, deadline: float | None
+    ) -> list[chat_pb2.ChatMessage]:
+        messages = [chat_pb2.ChatMessage() for _ in request.messages]
+        jobs: list[tuple[chat_pb2.ContentPart, Any]] = []
+        index = 0
+        for src, dst in zip(request.messages, messages, strict=True):
+            dst.role = src.role
+            for part in src.parts:
+                out = dst.parts.add()
+                if part.WhichOneof("kind") == "media":
+                    jobs.append((out, self._encode_one(state, index, part, deadline)))
+                    index += 1
+                else:
+                    out.CopyFrom(part)
+        if jobs:
+            results = await asyncio.gather(*(job for _, job in jobs), return_exceptions=True)
+            for item in results:
+                if isinstance(item, layout_pb2.EncodedMedia):
+                    state.hold(item.embeddings)
+            for item in results:
+                if isinstance(item, BaseException):
+                    raise item
+            for (out, _), item in zip(jobs, results, strict=True):
+                assert isinstance(item, layout_pb2.EncodedMedia)
+                out.encoded.CopyFrom(item)
+        return messages
+
+    async def _encode_one(
+        self, state: RequestState, index: int, part: chat_pb2.ContentPart, deadline: float | None
+    ) -> layout_pb2.EncodedMedia:
+        job = encoder_pb2.EncodeRequest(
+            request_id=state.request_id,
+            items=[encoder_pb2.EncodeItem(item_index=index, media=part.media)],
+            accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+        )
+        tried: set[str] = set()
+        while True:
+            address = self._encoders.pick(exclude=tried)
+            tried.add(address)
+            self._encoders.outstanding[address] += 1
+            try:
+                reply = await self._backends.encoder(address).Encode(job, timeout=_remaining(deadline))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _RETRYABLE_ENCODE and len(tried) < 2 and len(tried) < len(self._encoders.outstanding):
+                    _log.warning("encoder failed; retrying elsewhere", encoder=address, code=exc.code().name)
+                    continue
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    # The encoder names the field within its own request: items[0].media.X.
+                    details = exc.details() or ""
+                    raise InvalidArgument(f"media item {index}", details) from None
+                raise _rpc_error("encode", exc) from None
+            finally:
+                self._encoders.outstanding[address] -= 1
+            if len(reply.items) != 1 or reply.items[0].layout.item_index != index:
+                raise RpcFailed("encode", grpc.StatusCode.INTERNAL, f"encoder {address} answered for other items")
+            encoded: layout_pb2.EncodedMedia = reply.items[0]
+            return encoded
+
+    async def _prefill_and_decode(
+        self,
+        messages: list[chat_pb2.ChatMessage],
+        request: generate_pb2.GenerateRequest,
+        state: RequestState,
+        deadline: float | None,
+    ) -> AsyncIterator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]]:
+        b = self._backends
+        if b.prefill_decode is not None:
+            pd_request = prefill_decode_pb2.PrefillDecodeRequest(
+                request_id=state.request_id, messages=messages, sampling=request.sampling
+            )
+            try:
+                async for reply in b.prefill_decode.PrefillDecode(pd_request, timeout=_remaining(deadline)):
+                    state.leases.clear()  # PD read and acked the embeddings once it streams
+                    yield reply.chunk, (reply.usage if reply.HasField("usage") else None)
+            except grpc.aio.AioRpcError as exc:
+                raise _rpc_error("prefill" if not state.streamed else "decode", exc) from None
+            return
+
+        prefill_request = prefill_pb2.PrefillRequest(
+            request_id=state.request_id,
+            messages=messages,
+            sampling=request.sampling,
+            accepted_kv_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+        )
+        try:
+            first = await b.prefill.Prefill(prefill_request, timeout=_remaining(deadline))
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error("prefill", exc) from None
+        state.leases.clear()  # prefill acked every embedding it read
+        if not first.HasField("kv_cache"):  # finished at the first token
+            usage = generation_pb2.Usage(prompt_tokens=first.decode_state.prompt_tokens, completion_tokens=1)
+            yield first.first_chunk, usage
+            return
+        state.hold(first.kv_cache.handle)
+        yield first.first_chunk, None
+        decode_request = decode_pb2.DecodeRequest(
+            request_id=state.request_id,
+            kv_cache=first.kv_cache,
+            decode_state=first.decode_state,
+            sampling=request.sampling,
+        )
+        try:
+            async for reply in b.decode.Decode(decode_request, timeout=_remaining(deadline)):
+                state.leases.clear()  # decode acked the KV before streaming
+                yield reply.chunk, (reply.usage if reply.HasField("usage") else None)
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error("decode", exc) from None
+
+    async def _release_all(self, state: RequestState) -> None:
+        held, state.leases = state.leases, {}
+        for address, lease_ids in held.items():
+            try:
+                await self._backends.lease(address).ReleaseLeases(
+                    lease_pb2.ReleaseLeasesRequest(
+                        lease_ids=sorted(lease_ids), reason=lease_pb2.RELEASE_REASON_ABANDONED
+                    ),
+                    timeout=2.0,
+                )
+            except grpc.aio.AioRpcError as exc:
+                # The producer is gone (its memory with it) or will reclaim on lease expiry.
+                _log.warning("lease release failed", producer=address, code=exc.code().name)

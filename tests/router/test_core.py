@@ -1,0 +1,272 @@
+"""Router core without sockets: job splitting, metadata-only prefill requests, least-outstanding
+encoder choice, retries, and lease release on every failure path. Backends are test doubles with
+the generated stubs' call shapes; tests/services exercise the real services."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from libs.contract.epd.v1 import (
+    chat_pb2,
+    decode_pb2,
+    encoder_pb2,
+    generate_pb2,
+    generation_pb2,
+    layout_pb2,
+    lease_pb2,
+    prefill_decode_pb2,
+    prefill_pb2,
+)
+from libs.contract.errors import InvalidArgument
+from services.router.core import Backends, EncoderPool, Router, RpcFailed
+from tests.contract import samples
+
+
+def _error(code: grpc.StatusCode, details: str = "boom") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+class Encoder:
+    def __init__(self, address: str, log: list[tuple[str, int]], fail: grpc.StatusCode | None = None) -> None:
+        self.address, self.log, self.fail = address, log, fail
+        self.leases = 0
+
+    async def Encode(self, request: encoder_pb2.EncodeRequest, timeout: float | None = None) -> Any:
+        (item,) = request.items
+        self.log.append((self.address, item.item_index))
+        await asyncio.sleep(0.01)
+        if self.fail is not None:
+            raise _error(
+                self.fail, "items[0].media.data: not an image" if self.fail.name == "INVALID_ARGUMENT" else "x"
+            )
+        self.leases += 1
+        encoded = samples.encoded_image(item.item_index)
+        encoded.embeddings.lease_id = f"{self.address}/{self.leases}"
+        encoded.embeddings.agent.producer_address = self.address
+        return encoder_pb2.EncodeResponse(items=[encoded])
+
+
+class Leases:
+    def __init__(self) -> None:
+        self.released: dict[str, set[str]] = {}
+
+    def stub(self, address: str) -> Any:
+        released = self.released
+
+        class Stub:
+            async def ReleaseLeases(self, request: lease_pb2.ReleaseLeasesRequest, timeout: float | None = None) -> Any:
+                assert request.reason == lease_pb2.RELEASE_REASON_ABANDONED
+                released.setdefault(address, set()).update(request.lease_ids)
+                return lease_pb2.ReleaseLeasesResponse(released_count=len(request.lease_ids))
+
+        return Stub()
+
+
+class Prefill:
+    def __init__(self, fail_first: grpc.StatusCode | None = None) -> None:
+        self.requests: list[prefill_pb2.PrefillRequest] = []
+        self.fail_first = fail_first
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, timeout: float | None = None) -> Any:
+        self.requests.append(request)
+        if self.fail_first is not None and len(self.requests) == 1:
+            raise _error(self.fail_first, "embedding lease-0 not found")
+        kv = samples.kv_cache(tokens=10)
+        return prefill_pb2.PrefillResponse(
+            first_chunk=generation_pb2.TokenChunk(token_ids=[7], text="a"),
+            kv_cache=kv,
+            decode_state=prefill_pb2.DecodeState(next_input_token_id=7, generated_tokens=1, prompt_tokens=10),
+        )
+
+
+class Decode:
+    def __init__(self, fail_before: bool = False) -> None:
+        self.fail_before = fail_before
+        self.requests: list[decode_pb2.DecodeRequest] = []
+
+    def Decode(self, request: decode_pb2.DecodeRequest, timeout: float | None = None) -> AsyncIterator[Any]:
+        self.requests.append(request)
+
+        async def stream() -> AsyncIterator[Any]:
+            if self.fail_before:
+                raise _error(grpc.StatusCode.UNAVAILABLE, "decode lost its KV")
+            for token in (8, 9):
+                yield decode_pb2.DecodeResponse(chunk=generation_pb2.TokenChunk(token_ids=[token]))
+            yield decode_pb2.DecodeResponse(
+                chunk=generation_pb2.TokenChunk(finish_reason=generation_pb2.FINISH_REASON_LENGTH),
+                usage=generation_pb2.Usage(prompt_tokens=10, completion_tokens=3),
+            )
+
+        return stream()
+
+
+class Harness:
+    def __init__(self, n_encoders: int = 2, fail: dict[str, grpc.StatusCode] | None = None, **kw: Any) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.encoders = {
+            f"enc{i}": Encoder(f"enc{i}", self.log, (fail or {}).get(f"enc{i}")) for i in range(n_encoders)
+        }
+        self.leases = Leases()
+        self.prefill = Prefill(kw.get("prefill_fail_first"))
+        self.decode = Decode(kw.get("decode_fail_before", False))
+        self.router = Router(
+            Backends(
+                encoder=self.encoders.__getitem__,
+                lease=self.leases.stub,
+                prefill=self.prefill,
+                decode=self.decode,
+            ),
+            EncoderPool(list(self.encoders)),
+        )
+
+    async def tokens(self, request: generate_pb2.GenerateRequest) -> list[int]:
+        out: list[int] = []
+        async for response in self.router.generate(request):
+            out.extend(response.chunk.token_ids)
+        return out
+
+
+def _request(images: int, text: str = "Describe.") -> generate_pb2.GenerateRequest:
+    parts = [chat_pb2.ContentPart(media=samples.media()) for _ in range(images)]
+    parts.append(chat_pb2.ContentPart(text=text))
+    return generate_pb2.GenerateRequest(
+        request_id="r1",
+        messages=[chat_pb2.ChatMessage(role=chat_pb2.CHAT_ROLE_USER, parts=parts)],
+        sampling=samples.sampling(),
+    )
+
+
+def test_text_only_skips_encoders() -> None:
+    h = Harness()
+    assert asyncio.run(h.tokens(_request(0))) == [7, 8, 9]
+    assert h.log == []
+    assert h.prefill.requests[0].messages[0].parts[0].text == "Describe."
+    assert h.leases.released == {}
+
+
+def test_media_become_encoded_references_spread_over_encoders() -> None:
+    h = Harness()
+    request = _request(3)
+    assert asyncio.run(h.tokens(request)) == [7, 8, 9]
+    assert sorted(i for _, i in h.log) == [0, 1, 2]
+    assert {a for a, _ in h.log} == {"enc0", "enc1"}  # least outstanding work spreads the jobs
+    (sent,) = h.prefill.requests
+    kinds = [p.WhichOneof("kind") for p in sent.messages[0].parts]
+    assert kinds == ["encoded", "encoded", "encoded", "text"]  # metadata-only, order kept
+    assert [p.encoded.layout.item_index for p in sent.messages[0].parts[:3]] == [0, 1, 2]
+    assert not any(p.HasField("media") for p in sent.messages[0].parts)
+    assert sent.sampling == request.sampling and sent.messages[0].parts[3].text == "Describe."
+    assert h.decode.requests[0].kv_cache.handle.lease_id == "kv-lease-1"
+    assert h.leases.released == {}  # consumers acked everything
+
+
+def test_encoder_unavailable_is_retried_on_another() -> None:
+    h = Harness(fail={"enc0": grpc.StatusCode.UNAVAILABLE})
+    assert asyncio.run(h.tokens(_request(2))) == [7, 8, 9]
+    assert [a for a, _ in h.log].count("enc1") == 2
+
+
+def test_every_encoder_down_fails_unavailable_and_releases() -> None:
+    h = Harness(fail={"enc0": grpc.StatusCode.UNAVAILABLE, "enc1": grpc.StatusCode.UNAVAILABLE})
+    with pytest.raises(RpcFailed) as caught:
+        asyncio.run(h.tokens(_request(1)))
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE and caught.value.stage == "encode"
+    assert h.prefill.requests == []
+
+
+def test_bad_media_is_invalid_argument_and_other_leases_are_released() -> None:
+    h = Harness(n_encoders=1)
+    request = _request(2)
+    h.encoders["enc0"].fail = None
+
+    async def run() -> None:
+        original = h.encoders["enc0"].Encode
+
+        async def encode(req: encoder_pb2.EncodeRequest, timeout: float | None = None) -> Any:
+            if req.items[0].item_index == 1:
+                raise _error(grpc.StatusCode.INVALID_ARGUMENT, "items[0].media.data: corrupt image")
+            return await original(req, timeout=timeout)
+
+        h.encoders["enc0"].Encode = encode  # type: ignore[method-assign]
+        await h.tokens(request)
+
+    with pytest.raises(InvalidArgument) as caught:
+        asyncio.run(run())
+    assert caught.value.field == "media item 1" and "corrupt image" in caught.value.problem
+    assert h.leases.released == {"enc0": {"enc0/1"}}
+    assert h.prefill.requests == []
+
+
+def test_embedding_gone_at_prefill_reencodes_once() -> None:
+    h = Harness(prefill_fail_first=grpc.StatusCode.NOT_FOUND)
+    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    assert len(h.log) == 2 and len(h.prefill.requests) == 2
+    first_lease = h.prefill.requests[0].messages[0].parts[0].encoded.embeddings.lease_id
+    assert first_lease in set().union(*h.leases.released.values())
+
+
+def test_decode_failure_releases_the_kv_lease() -> None:
+    h = Harness(decode_fail_before=True)
+
+    async def run() -> list[int]:
+        out: list[int] = []
+        with pytest.raises(RpcFailed) as caught:
+            async for response in h.router.generate(_request(1)):
+                out.extend(response.chunk.token_ids)
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE and caught.value.stage == "decode"
+        return out
+
+    assert asyncio.run(run()) == [7]  # the first token was already streamed
+    assert h.leases.released == {"127.0.0.1:50061": {"kv-lease-1"}}
+
+
+def test_client_cancel_releases_what_the_request_holds() -> None:
+    h = Harness()
+
+    async def run() -> None:
+        stream = h.router.generate(_request(1))
+        first = await stream.__anext__()
+        assert list(first.chunk.token_ids) == [7]
+        await stream.aclose()  # the client went away after the first token
+
+    asyncio.run(run())
+    assert h.leases.released == {"127.0.0.1:50061": {"kv-lease-1"}}
+
+
+def test_e_plus_pd_layout() -> None:
+    seen: list[prefill_decode_pb2.PrefillDecodeRequest] = []
+
+    class PD:
+        def PrefillDecode(self, request: Any, timeout: float | None = None) -> AsyncIterator[Any]:
+            seen.append(request)
+
+            async def stream() -> AsyncIterator[Any]:
+                yield prefill_decode_pb2.PrefillDecodeResponse(chunk=generation_pb2.TokenChunk(token_ids=[5]))
+
+            return stream()
+
+    log: list[tuple[str, int]] = []
+    router = Router(
+        Backends(encoder=lambda a: Encoder(a, log), lease=Leases().stub, prefill_decode=PD()), EncoderPool(["e"])
+    )
+
+    async def run() -> list[int]:
+        return [t async for r in router.generate(_request(1)) for t in r.chunk.token_ids]
+
+    assert asyncio.run(run()) == [5]
+    assert seen[0].messages[0].parts[0].WhichOneof("kind") == "encoded"
+    assert isinstance(seen[0].messages[0].parts[0].encoded, layout_pb2.EncodedMedia)
+
+
+def test_invalid_client_request_is_rejected_before_any_work() -> None:
+    h = Harness()
+    request = _request(1)
+    request.sampling.top_p = 2.0
+    with pytest.raises(InvalidArgument, match=r"sampling\.top_p"):
+        asyncio.run(h.tokens(request))
+    assert h.log == []
