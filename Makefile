@@ -11,7 +11,7 @@ STAMP := $(VENV)/.deps-installed
 NIXL := nixl-cu12==1.5.1
 SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 
-.PHONY: help deps proto proto-check lint test run clean
+.PHONY: help deps proto proto-check lint test run clean models bench-engine
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -50,6 +50,16 @@ run: deps ## the main job: the whole stack on loopback (lands with the services 
 	@echo "What exists today: the epd.v1 contract, its validation, and the shared bootstraps;" >&2
 	@echo "run 'make test' to exercise them." >&2
 	@exit 2
+
+MODEL_DIR := var/models/qwen2_5_omni-tiny
+
+$(MODEL_DIR)/config.json: | $(STAMP)
+	$(PY) -m libs.engine.checkpoints --family qwen2_5_omni --size tiny --out $(MODEL_DIR)
+
+models: $(MODEL_DIR)/config.json ## generate the tiny Qwen2.5-Omni checkpoint (seeded; no download)
+
+bench-engine: deps ## CPU time per engine stage, tiny and ~100M checkpoints (not part of make test)
+	$(PY) tests/benchmarks/bench_engine.py --family qwen2_5_omni --sizes tiny small
 
 clean: ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

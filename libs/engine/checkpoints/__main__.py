@@ -1,0 +1,3 @@
+from libs.engine.checkpoints.generate import main
+
+main()

@@ -1,0 +1,82 @@
+"""EncoderRunner: media items → embeddings + layout, one forward per modality per call."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from libs.engine.checkpoint import Checkpoint, load_into
+from libs.engine.errors import EmbeddingMismatchError, UnsupportedModalityError
+from libs.engine.families import adapter_for
+from libs.engine.families.base import PreparedItem
+from libs.engine.media.limits import MediaLimits
+from libs.engine.types import EmbeddingSpec, EncodedItem, ExtraTensorSpec, MediaInput, Modality, dtype_name
+
+
+def media_hash(media: MediaInput) -> str:
+    """Hex SHA-256 of the modality, the processor options and the bytes (the encoder-cache key)."""
+    digest = hashlib.sha256()
+    digest.update(media.modality.value.encode())
+    digest.update(json.dumps(asdict(media.options), sort_keys=True).encode())
+    digest.update(media.data)
+    return digest.hexdigest()
+
+
+class EncoderRunner:
+    """Loads only the encoder towers of a checkpoint and encodes batches of media items."""
+
+    def __init__(
+        self, model_path: str | Path, *, limits: MediaLimits | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
+        self.checkpoint = Checkpoint(model_path)
+        self.adapter = adapter_for(self.checkpoint)
+        self.limits = limits or MediaLimits()
+        self.dtype = dtype
+        tensors = self.checkpoint.load(self.adapter.encoder_tensor_name)
+        self.module = self.adapter.build_encoder()
+        load_into(self.module, tensors, "encoder")
+        self.module.to(dtype).eval()
+        self.weights_digest = self.checkpoint.weights_digest()
+        self.specs = {m: self._measure_spec(m) for m in sorted(self.adapter.modalities, key=lambda m: m.value)}
+
+    @property
+    def modalities(self) -> frozenset[Modality]:
+        return self.adapter.modalities
+
+    def _measure_spec(self, modality: Modality) -> EmbeddingSpec:
+        (item,) = self.encode([self.adapter.dummy_media(modality)])
+        extras = tuple(
+            ExtraTensorSpec(name, int(t.shape[1]), dtype_name(t.dtype))
+            for name, t in item.tensors.items()
+            if name != "embeddings"
+        )
+        return EmbeddingSpec(modality, int(item.embeddings.shape[1]), dtype_name(item.embeddings.dtype), extras)
+
+    def encode(self, items: list[MediaInput]) -> list[EncodedItem]:
+        """Encode items (any mix of modalities); results in input order. Items of one modality go
+        through their tower in a single forward."""
+        for i, media in enumerate(items):
+            if media.modality not in self.adapter.modalities:
+                raise UnsupportedModalityError(
+                    f"model has no {media.modality.value} encoder", field=f"items[{i}].media.modality"
+                )
+        prepared = [self.adapter.preprocess(m, media_hash(m), self.limits) for m in items]
+        by_modality: dict[Modality, list[int]] = defaultdict(list)
+        for i, item in enumerate(prepared):
+            by_modality[item.layout.modality].append(i)
+        results: dict[int, EncodedItem] = {}
+        with torch.inference_mode():
+            for modality, indices in by_modality.items():
+                batch: list[PreparedItem] = [prepared[i] for i in indices]
+                outputs = self.adapter.encode(self.module, modality, batch)
+                for i, tensors in zip(indices, outputs, strict=True):
+                    rows = tensors["embeddings"].shape[0]
+                    if rows != prepared[i].layout.placeholder_token_count:
+                        raise EmbeddingMismatchError(f"item {i}: {rows} rows, layout says otherwise")
+                    results[i] = EncodedItem(prepared[i].layout, {k: v.clone() for k, v in tensors.items()})
+        return [results[i] for i in range(len(items))]

@@ -1,0 +1,20 @@
+"""Model-family adapters: what each checkpoint family needs beyond the generic runners."""
+
+from __future__ import annotations
+
+from libs.engine.checkpoint import Checkpoint
+from libs.engine.errors import CheckpointError
+from libs.engine.families.base import FamilyAdapter
+
+
+def adapter_for(checkpoint: Checkpoint) -> FamilyAdapter:
+    """Pick the adapter from config.json's model_type."""
+    model_type = checkpoint.config.get("model_type", "")
+    if model_type in ("qwen2_5_omni", "qwen2_5_omni_thinker"):
+        from libs.engine.families.qwen2_5_omni import Qwen25OmniAdapter
+
+        return Qwen25OmniAdapter(checkpoint)
+    raise CheckpointError(f"unsupported model_type {model_type!r}", field="model_path")
+
+
+__all__ = ["FamilyAdapter", "adapter_for"]

@@ -1,0 +1,137 @@
+"""The family adapter interface.
+
+An adapter says, for one checkpoint family: which tensors belong to the encoders and which to the
+language model (and their module-local names); how media is preprocessed and what layout results;
+how an encoder batch runs; how placeholders expand in the prompt; how (M-RoPE) position ids are
+built; and how the language model runs one forward over a KV cache.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from libs.engine.checkpoint import Checkpoint
+from libs.engine.media.limits import MediaLimits
+from libs.engine.types import EmbeddingSpec, ItemLayout, MediaInput, Modality
+
+
+@dataclass
+class PreparedItem:
+    """A preprocessed media item, ready for its tower: tower inputs plus its final layout."""
+
+    layout: ItemLayout
+    inputs: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PlacedItem:
+    """Where an item's placeholder rows start in the token sequence."""
+
+    start: int
+    layout: ItemLayout
+
+
+@dataclass(frozen=True)
+class PromptExtras:
+    """Per-request tensors some families feed the language model besides embeddings."""
+
+    tensors: dict[str, torch.Tensor]
+
+
+class FamilyAdapter(abc.ABC):
+    family: str
+    modalities: frozenset[Modality]
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+
+    # ---- weights -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def encoder_tensor_name(self, name: str) -> str | None:
+        """Module-local name of an encoder tensor in the encoder module; None if not an encoder tensor."""
+
+    @abc.abstractmethod
+    def lm_tensor_name(self, name: str) -> str | None:
+        """Module-local name of a language-model tensor; None if not a language-model tensor."""
+
+    @abc.abstractmethod
+    def build_encoder(self) -> torch.nn.Module:
+        """Empty encoder module (towers only) for `encoder_tensor_name` tensors."""
+
+    @abc.abstractmethod
+    def build_language_model(self) -> torch.nn.Module:
+        """Empty language model (embeddings, decoder layers, head) for `lm_tensor_name` tensors."""
+
+    def finish_language_model(self, module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:  # noqa: B027
+        """Hook for tied weights and the like, before loading (default: nothing)."""
+
+    # ---- text ------------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def hidden_size(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def text_config(self) -> Any: ...
+
+    @abc.abstractmethod
+    def placeholder_token(self, modality: Modality) -> str:
+        """The single token the chat template emits for one item of this modality."""
+
+    @abc.abstractmethod
+    def content_type(self, modality: Modality) -> str:
+        """Content-part type the chat template expects ("image", "video", "audio")."""
+
+    def expand_placeholder(self, layout: ItemLayout, placeholder_id: int) -> tuple[list[int], int]:
+        """Tokens replacing the template's placeholder token, and the offset of the first
+        embedding row within them. Default: `placeholder_token_count` copies of the placeholder."""
+        return [placeholder_id] * layout.placeholder_token_count, 0
+
+    # ---- media ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def preprocess(self, media: MediaInput, mm_hash: str, limits: MediaLimits) -> PreparedItem: ...
+
+    @abc.abstractmethod
+    def encode(
+        self, encoder: torch.nn.Module, modality: Modality, items: list[PreparedItem]
+    ) -> list[dict[str, torch.Tensor]]:
+        """Run one forward for a batch of items of one modality; tensors per item."""
+
+    def embedding_extra_names(self, modality: Modality) -> tuple[str, ...]:
+        """Names of extra tensors emitted per item (e.g. deepstack); default none."""
+        return ()
+
+    @abc.abstractmethod
+    def dummy_media(self, modality: Modality) -> MediaInput:
+        """A small valid item, encoded at start-up to measure the embedding spec."""
+
+    # ---- positions and the language model ---------------------------------------------------
+    @abc.abstractmethod
+    def position_ids(self, input_ids: list[int], items: list[PlacedItem]) -> tuple[torch.Tensor, int]:
+        """M-RoPE position ids [3, len] for a prompt and its rope delta."""
+
+    @abc.abstractmethod
+    def lm_forward(
+        self,
+        lm: torch.nn.Module,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DynamicCache,
+        attention_mask: torch.Tensor | None,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Logits [batch, len, vocab] for one forward; the cache grows in place."""
+
+    def prefill_extras(
+        self, items: list[PlacedItem], tensors: list[dict[str, torch.Tensor]], length: int
+    ) -> dict[str, torch.Tensor] | None:
+        """Extra language-model inputs implied by the items (deepstack); default none."""
+        return None
+
+    def check_spec(self, spec: EmbeddingSpec) -> None:  # noqa: B027 - optional hook
+        """Hook for family-specific spec checks (default: none)."""

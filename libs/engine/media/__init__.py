@@ -1,0 +1,1 @@
+"""Media decoding with hard limits: Pillow for images, PyAV for video and audio."""

@@ -1,0 +1,69 @@
+"""Chat messages → token ids, with each media item's placeholder expanded to its embedding rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from libs.engine.errors import InvalidRequestError, UnsupportedModalityError
+from libs.engine.families.base import FamilyAdapter, PlacedItem
+from libs.engine.types import ChatMessage, EncodedItem, EncodedPart, TextPart
+
+
+@dataclass
+class Prompt:
+    input_ids: list[int]
+    items: list[PlacedItem]  # in prompt order
+    encoded: list[EncodedItem]  # same order as `items`
+
+
+def build_prompt(tokenizer: Any, adapter: FamilyAdapter, messages: list[ChatMessage]) -> Prompt:
+    if not messages:
+        raise InvalidRequestError("at least one message is required", field="messages")
+    placeholder_ids = {
+        int(tokenizer.convert_tokens_to_ids(adapter.placeholder_token(m))): m for m in adapter.modalities
+    }
+    reserved = [adapter.placeholder_token(m) for m in adapter.modalities]
+    conversation: list[dict[str, Any]] = []
+    encoded: list[EncodedItem] = []
+    for i, message in enumerate(messages):
+        content: list[dict[str, Any]] = []
+        for j, part in enumerate(message.parts):
+            if isinstance(part, TextPart):
+                if any(token in part.text for token in reserved):
+                    raise InvalidRequestError(
+                        "text contains a reserved placeholder token", field=f"messages[{i}].parts[{j}].text"
+                    )
+                content.append({"type": "text", "text": part.text})
+            elif isinstance(part, EncodedPart):
+                part.item.layout.check()
+                if part.item.layout.modality not in adapter.modalities:
+                    raise UnsupportedModalityError(
+                        f"model has no {part.item.layout.modality.value} input",
+                        field=f"messages[{i}].parts[{j}].encoded",
+                    )
+                content.append({"type": adapter.content_type(part.item.layout.modality)})
+                encoded.append(part.item)
+            else:
+                raise InvalidRequestError("unknown content part", field=f"messages[{i}].parts[{j}]")
+        conversation.append({"role": message.role.value, "content": content})
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    raw_ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+
+    input_ids: list[int] = []
+    items: list[PlacedItem] = []
+    next_item = 0
+    for token in raw_ids:
+        modality = placeholder_ids.get(token)
+        if modality is None:
+            input_ids.append(token)
+            continue
+        if next_item >= len(encoded) or encoded[next_item].layout.modality is not modality:
+            raise InvalidRequestError("placeholders do not match the media parts", field="messages")
+        expansion, offset = adapter.expand_placeholder(encoded[next_item].layout, token)
+        items.append(PlacedItem(start=len(input_ids) + offset, layout=encoded[next_item].layout))
+        input_ids.extend(expansion)
+        next_item += 1
+    if next_item != len(encoded):
+        raise InvalidRequestError("chat template dropped a media part", field="messages")
+    return Prompt(input_ids=input_ids, items=items, encoded=encoded)

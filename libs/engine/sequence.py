@@ -1,0 +1,53 @@
+"""Per-sequence generation state shared by prefill (first token) and decode (the rest)."""
+
+from __future__ import annotations
+
+import torch
+
+from libs.engine.errors import InvalidRequestError
+from libs.engine.lm_runtime import LanguageModelRuntime
+from libs.engine.sampling import check_sampling, choose_token, resolve_seed
+from libs.engine.stopping import TextStream
+from libs.engine.types import FinishReason, SamplingParams, TokenChunk
+
+
+class Sequence:
+    def __init__(
+        self,
+        runtime: LanguageModelRuntime,
+        sampling: SamplingParams,
+        *,
+        default_max_tokens: int,
+        generated_tokens: int = 0,
+        generated_text: str = "",
+        last_token_id: int | None = None,
+    ) -> None:
+        check_sampling(sampling)
+        self.sampling = sampling
+        self.seed = resolve_seed(sampling)
+        self.max_tokens = sampling.max_tokens or default_max_tokens
+        if generated_tokens >= self.max_tokens:
+            raise InvalidRequestError("generated_tokens already reaches max_tokens", field="decode_state")
+        self.generated = generated_tokens
+        self.stop_ids = runtime.eos_token_ids | frozenset(sampling.stop_token_ids)
+        self.stream = TextStream(runtime.tokenizer, sampling.stop, generated_text, last_token_id)
+        self.finished: FinishReason | None = None
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
+
+    def advance(self, logits: torch.Tensor) -> tuple[int, TokenChunk]:
+        """Choose the next token from a [vocab] row and report it as a chunk."""
+        token = choose_token(logits, self.sampling, self.seed, self.generated)
+        self.generated += 1
+        if token in self.stop_ids:
+            self.finished = FinishReason.STOP
+            return token, TokenChunk([token], self.stream.flush(), self.finished)
+        text, matched = self.stream.push(token)
+        if matched:
+            self.finished = FinishReason.STOP_SEQUENCE
+        elif self.generated >= self.max_tokens:
+            self.finished = FinishReason.LENGTH
+            text += self.stream.flush()
+        return token, TokenChunk([token], text, self.finished)
