@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-import structlog
-
 from libs.config import CommonSettings, setting
-from libs.config.settings import main_settings
 from libs.contract import version
 from libs.contract.epd.v1 import (
     decode_pb2_grpc,
@@ -23,12 +19,11 @@ from libs.contract.epd.v1 import (
     service_info_pb2,
 )
 from libs.rpc.admission import Admission, deadline_of
+from libs.rpc.identity import INSTANCE_ID, SOFTWARE_VERSION
+from libs.rpc.main import ServiceParts, service_main
 from libs.rpc.peers import PeerDirectory
-from libs.rpc.server import EpdServer, ServerOptions
-from libs.telemetry import bind_request, configure_logging, configure_tracing
+from libs.telemetry import bind_request
 from services.router.core import Backends, EncoderPool, Router
-
-SERVICE_NAME = "epd-router"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,16 +55,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     yield response
 
 
-def build(settings: RouterSettings, peers: PeerDirectory) -> tuple[EpdServer, Router]:
-    """Wire the router's server from settings (channels are shared through `peers`)."""
+async def setup(settings: RouterSettings) -> ServiceParts:
+    """Wire the router from settings; channels to every backend are shared through one directory."""
     if not settings.encoders:
         raise SystemExit("router: --encoders is required")
+    peers = PeerDirectory(roles=[])
+    encoder = lambda a: encoder_pb2_grpc.EncoderServiceStub(peers.channel(a))  # noqa: E731
+    lease = lambda a: lease_pb2_grpc.LeaseServiceStub(peers.channel(a))  # noqa: E731
     if settings.layout == "e/p/d":
         if not (settings.prefill and settings.decode):
             raise SystemExit("router: --prefill and --decode are required for layout e/p/d")
         backends = Backends(
-            encoder=lambda a: encoder_pb2_grpc.EncoderServiceStub(peers.channel(a)),
-            lease=lambda a: lease_pb2_grpc.LeaseServiceStub(peers.channel(a)),
+            encoder=encoder,
+            lease=lease,
             prefill=prefill_pb2_grpc.PrefillServiceStub(peers.channel(settings.prefill)),
             decode=decode_pb2_grpc.DecodeServiceStub(peers.channel(settings.decode)),
         )
@@ -77,46 +75,29 @@ def build(settings: RouterSettings, peers: PeerDirectory) -> tuple[EpdServer, Ro
         if not settings.pd:
             raise SystemExit("router: --pd is required for layout e+pd")
         backends = Backends(
-            encoder=lambda a: encoder_pb2_grpc.EncoderServiceStub(peers.channel(a)),
-            lease=lambda a: lease_pb2_grpc.LeaseServiceStub(peers.channel(a)),
+            encoder=encoder,
+            lease=lease,
             prefill_decode=prefill_decode_pb2_grpc.PrefillDecodeServiceStub(peers.channel(settings.pd)),
         )
     router = Router(backends, EncoderPool(settings.encoders))
-
-    def info() -> service_info_pb2.ServiceInfo:
-        return service_info_pb2.ServiceInfo(
-            contract_version=version.current(),
-            role=service_info_pb2.SERVICE_ROLE_ROUTER,
-            software_version="epd 0.1.0",
-        )
-
-    server = EpdServer(ServerOptions(host=settings.host, port=settings.port, grace_s=settings.grace_s), info)
-    admission = Admission("router", settings.max_running, settings.max_waiting)
-    server.add(
-        generate_pb2_grpc.add_GenerateServiceServicer_to_server,
-        GenerateServicer(router, admission),
-        "epd.v1.GenerateService",
+    info = service_info_pb2.ServiceInfo(
+        contract_version=version.current(),
+        role=service_info_pb2.SERVICE_ROLE_ROUTER,
+        instance_id=INSTANCE_ID,
+        software_version=SOFTWARE_VERSION,
     )
-    return server, router
-
-
-async def _main(settings: RouterSettings) -> None:
-    peers = PeerDirectory(roles=[])
-    server, _ = build(settings, peers)
-    await server.start()
-    print(f"router listening on {server.address}", flush=True)
-    await server.wait_for_termination()
-    await peers.close()
+    return ServiceParts(
+        servicers=[
+            (
+                generate_pb2_grpc.add_GenerateServiceServicer_to_server,
+                GenerateServicer(router, Admission("router", settings.max_running, settings.max_waiting)),
+                "epd.v1.GenerateService",
+            )
+        ],
+        info=lambda: info,
+        close=peers.close,
+    )
 
 
 def main() -> None:
-    settings = main_settings(RouterSettings, prog="epd-router")
-    configure_logging(SERVICE_NAME, settings.log_level, settings.log_format)
-    tracing = configure_tracing(
-        SERVICE_NAME, "0.1.0", settings.trace_exporter, settings.trace_file, settings.otlp_endpoint
-    )
-    structlog.get_logger(__name__).info("starting", settings=dataclasses.asdict(settings))
-    try:
-        asyncio.run(_main(settings))
-    finally:
-        tracing.shutdown()
+    service_main("router", RouterSettings, setup)

@@ -1,0 +1,1 @@
+"""The `epd` command: `epd up` (a stack on loopback), `epd generate` (a client), `epd demo` (make run)."""

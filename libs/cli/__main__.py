@@ -1,0 +1,3 @@
+from libs.cli.main import main
+
+main()

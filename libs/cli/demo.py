@@ -1,0 +1,72 @@
+"""`epd demo` (what `make run` runs): a stack, one request per modality mix, outputs and timings."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import grpc
+
+from libs.client.generate import GenerationResult, build_request, generate, open_channel
+from libs.contract.epd.v1 import media_pb2, sampling_pb2
+from libs.engine.media import synthetic
+from libs.launch.process import LaunchError
+from libs.launch.stack import Stack, StackSpec
+
+
+def sample_requests() -> list[tuple[str, list[media_pb2.MediaItem], str]]:
+    image = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(96, 64, seed=1))
+    video = media_pb2.MediaItem(
+        modality=media_pb2.MODALITY_VIDEO, data=synthetic.video_bytes(64, 48, frames=8, fps=4, seed=3)
+    )
+    audio = media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=synthetic.wav_bytes(1.5, seed=2))
+    return [
+        ("text", [], "Describe the quick brown fox in one sentence."),
+        ("image", [image], "What is in this image?"),
+        ("video", [video], "Describe the video."),
+        ("audio", [audio], "What is this sound?"),
+        ("audio+image", [audio, image], "Does the sound fit the picture?"),
+    ]
+
+
+async def _send_all(address: str) -> list[tuple[str, GenerationResult | str]]:
+    out: list[tuple[str, GenerationResult | str]] = []
+    async with open_channel(address) as channel:
+        for name, media, prompt in sample_requests():
+            request = build_request(prompt, media, sampling=sampling_pb2.SamplingParams(max_tokens=16))
+            try:
+                out.append((name, await generate(channel, request, timeout_s=60)))
+            except grpc.aio.AioRpcError as exc:
+                out.append((name, f"{exc.code().name}: {exc.details()}"))
+    return out
+
+
+def run_demo(spec: StackSpec) -> int:
+    started = time.perf_counter()
+    stack = Stack(spec)
+    encoders = "" if spec.layout == "colocated" else f" with {spec.encoders} encoders"
+    print(f"starting the {spec.layout} stack{encoders} from {spec.model} ...", flush=True)
+    try:
+        address = stack.up()
+    except LaunchError as exc:
+        print(f"epd demo: {exc}", file=sys.stderr)
+        return 1
+    failures = 0
+    try:
+        pids = ", ".join(f"{name}={p.pid}" for name, p in stack.processes.items())
+        print(f"up in {time.perf_counter() - started:.1f} s: router {address} ({pids})\n", flush=True)
+        print(f"{'request':<12} {'tokens':>6} {'ttft ms':>8} {'total ms':>9} {'ms/token':>8}  output")
+        for name, result in asyncio.run(_send_all(address)):
+            if isinstance(result, str):
+                failures += 1
+                print(f"{name:<12} FAILED {result}")
+                continue
+            print(
+                f"{name:<12} {len(result.token_ids):>6} {result.ttft_s * 1e3:>8.1f} {result.total_s * 1e3:>9.1f} "
+                f"{result.inter_token_s * 1e3:>8.2f}  {result.text!r}"
+            )
+    finally:
+        statuses = stack.down()
+        print(f"\nstopped: {statuses}; logs in {spec.run_dir}", flush=True)
+    return 1 if failures else 0

@@ -1,0 +1,158 @@
+"""`epd` command line.
+
+epd up --layout e/p/d --encoders 2           # start a stack on loopback; Ctrl-C stops it
+epd generate --image cat.png "What is this?"  # stream a reply from a running router
+epd demo                                      # what `make run` does
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from libs.client.generate import build_request, generate, media_from_file, open_channel
+from libs.contract.epd.v1 import media_pb2, sampling_pb2
+from libs.launch.process import LaunchError
+from libs.launch.stack import LAYOUTS, Stack, StackSpec
+
+DEFAULT_MODEL = Path("var/models/qwen2_5_omni-tiny")
+ADDRESS_FILE = Path("var/run/stack/router.address")
+
+
+def ensure_model(path: Path) -> Path:
+    """The default tiny checkpoint is generated on first use (seeded, no download)."""
+    if (path / "config.json").exists():
+        return path
+    if path != DEFAULT_MODEL:
+        raise SystemExit(f"epd: no checkpoint at {path} (config.json missing)")
+    from libs.engine.checkpoints import ensure_checkpoint  # torch import only when needed
+
+    print(f"generating the tiny Qwen2.5-Omni checkpoint in {path} ...", file=sys.stderr)
+    return ensure_checkpoint("qwen2_5_omni", "tiny")
+
+
+def _stack_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layout", choices=LAYOUTS, default="e/p/d", help="deployment layout (default e/p/d)")
+    parser.add_argument("--encoders", type=int, default=2, help="encoder processes (default 2)")
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory")
+    parser.add_argument("--run-dir", type=Path, default=Path("var/run/stack"), help="service logs go here")
+    parser.add_argument("--trace-exporter", choices=("none", "jsonl", "otlp", "console"), default="none")
+    parser.add_argument("--trace-file", type=Path, default=Path("var/traces/spans.jsonl"))
+
+
+def _spec(ns: argparse.Namespace) -> StackSpec:
+    env = {"EPD_TRACE_EXPORTER": ns.trace_exporter, "EPD_TRACE_FILE": str(ns.trace_file.resolve())}
+    return StackSpec(layout=ns.layout, encoders=ns.encoders, model=ensure_model(ns.model), run_dir=ns.run_dir, env=env)
+
+
+def cmd_up(ns: argparse.Namespace) -> int:
+    stack = Stack(_spec(ns))
+    try:
+        address = stack.up()
+    except LaunchError as exc:
+        print(f"epd up: {exc}", file=sys.stderr)
+        return 1
+    ADDRESS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    ADDRESS_FILE.write_text(address)
+    pids = ", ".join(f"{name} {p.pid}" for name, p in stack.processes.items())
+    print(f"router listening on {address}  ({ns.layout}; {pids}; logs in {ns.run_dir})", flush=True)
+    print("Ctrl-C stops the stack.", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        dead = [name for name, p in stack.processes.items() if not p.alive()]
+        if dead:
+            print(f"epd up: {', '.join(dead)} exited; stopping the stack", file=sys.stderr)
+            break
+    statuses = stack.down()
+    ADDRESS_FILE.unlink(missing_ok=True)
+    print(f"stopped: {statuses}", flush=True)
+    return 0
+
+
+def _sampling(ns: argparse.Namespace) -> sampling_pb2.SamplingParams:
+    params = sampling_pb2.SamplingParams(
+        temperature=ns.temperature, top_k=ns.top_k, max_tokens=ns.max_tokens, stop=ns.stop or []
+    )
+    if ns.top_p is not None:
+        params.top_p = ns.top_p
+    if ns.seed is not None:
+        params.seed = ns.seed
+    return params
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    address = ns.address or (ADDRESS_FILE.read_text().strip() if ADDRESS_FILE.exists() else "")
+    if not address:
+        print("epd generate: no --address and no running `epd up` stack found", file=sys.stderr)
+        return 2
+    media = [media_from_file(p, media_pb2.MODALITY_IMAGE) for p in ns.image or []]
+    media += [media_from_file(p, media_pb2.MODALITY_VIDEO) for p in ns.video or []]
+    media += [media_from_file(p, media_pb2.MODALITY_AUDIO) for p in ns.audio or []]
+    request = build_request(ns.prompt, media, sampling=_sampling(ns))
+
+    async def run() -> int:
+        import grpc
+
+        async with open_channel(address) as channel:
+            try:
+                result = await generate(
+                    channel, request, timeout_s=ns.timeout, on_text=lambda t: print(t, end="", flush=True)
+                )
+            except grpc.aio.AioRpcError as exc:
+                print(f"\nepd generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+        print()
+        print(
+            f"[{result.request_id}] {result.completion_tokens} tokens, {result.finish_reason}, "
+            f"ttft {result.ttft_s * 1000:.1f} ms, total {result.total_s * 1000:.1f} ms",
+            file=sys.stderr,
+        )
+        return 0
+
+    return asyncio.run(run())
+
+
+def cmd_demo(ns: argparse.Namespace) -> int:
+    from libs.cli.demo import run_demo
+
+    return run_demo(_spec(ns))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd", description="EPD: disaggregated multimodal LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start a stack on loopback until Ctrl-C")
+    _stack_args(up)
+    up.set_defaults(func=cmd_up)
+
+    gen = sub.add_parser("generate", help="send one request to a router and stream the reply")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default="", help=f"router address (default: the one in {ADDRESS_FILE})")
+    gen.add_argument("--image", type=Path, action="append", help="image file (repeatable)")
+    gen.add_argument("--video", type=Path, action="append", help="video file (repeatable)")
+    gen.add_argument("--audio", type=Path, action="append", help="audio file (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop sequence (repeatable)")
+    gen.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="start a stack, send sample requests, print outputs and timings, stop")
+    _stack_args(demo)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
+    sys.exit(ns.func(ns))

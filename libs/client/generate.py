@@ -1,0 +1,104 @@
+"""Build `GenerateRequest`s from a prompt and media files, stream the reply, time it."""
+
+from __future__ import annotations
+
+import mimetypes
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from libs.contract.epd.v1 import chat_pb2, generate_pb2, generate_pb2_grpc, generation_pb2, media_pb2, sampling_pb2
+from libs.rpc.server import channel_options
+
+_MODALITY_BY_TYPE = {
+    "image": media_pb2.MODALITY_IMAGE,
+    "video": media_pb2.MODALITY_VIDEO,
+    "audio": media_pb2.MODALITY_AUDIO,
+}
+
+
+def media_from_file(path: Path, modality: media_pb2.Modality.ValueType | None = None) -> media_pb2.MediaItem:
+    """A media item with the file's bytes inline; modality from the flag or the file's MIME type."""
+    mime, _ = mimetypes.guess_type(path.name)
+    if modality is None:
+        kind = (mime or "").split("/")[0]
+        if kind not in _MODALITY_BY_TYPE:
+            raise ValueError(f"{path}: cannot tell the modality from its name; pass it explicitly")
+        modality = _MODALITY_BY_TYPE[kind]
+    return media_pb2.MediaItem(modality=modality, data=path.read_bytes(), mime_type=mime or "", id=path.name)
+
+
+def build_request(
+    prompt: str,
+    media: Sequence[media_pb2.MediaItem] = (),
+    *,
+    sampling: sampling_pb2.SamplingParams | None = None,
+    system: str | None = None,
+    request_id: str = "",
+) -> generate_pb2.GenerateRequest:
+    """One user turn: the media items first, then the prompt (the usual multimodal chat layout)."""
+    messages = []
+    if system:
+        messages.append(chat_pb2.ChatMessage(role=chat_pb2.CHAT_ROLE_SYSTEM, parts=[chat_pb2.ContentPart(text=system)]))
+    parts = [chat_pb2.ContentPart(media=item) for item in media]
+    parts.append(chat_pb2.ContentPart(text=prompt))
+    messages.append(chat_pb2.ChatMessage(role=chat_pb2.CHAT_ROLE_USER, parts=parts))
+    return generate_pb2.GenerateRequest(
+        request_id=request_id, messages=messages, sampling=sampling or sampling_pb2.SamplingParams(max_tokens=32)
+    )
+
+
+@dataclass
+class GenerationResult:
+    """A finished stream, with client-side timings (seconds)."""
+
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def inter_token_s(self) -> float:
+        """Mean time between tokens after the first."""
+        n = len(self.token_ids)
+        return (self.total_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
+
+
+async def generate(
+    channel: grpc.aio.Channel,
+    request: generate_pb2.GenerateRequest,
+    *,
+    timeout_s: float | None = 120.0,
+    on_text: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Call `Generate` and collect the stream; `on_text` sees each text delta as it arrives."""
+    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    result = GenerationResult()
+    started = time.perf_counter()
+    async for response in stub.Generate(request, timeout=timeout_s):
+        if response.chunk.token_ids and not result.token_ids:
+            result.ttft_s = time.perf_counter() - started
+        result.request_id = response.request_id
+        result.token_ids.extend(response.chunk.token_ids)
+        result.text += response.chunk.text
+        if on_text and response.chunk.text:
+            on_text(response.chunk.text)
+        if response.chunk.finish_reason:
+            result.finish_reason = generation_pb2.FinishReason.Name(response.chunk.finish_reason)
+        if response.HasField("usage"):
+            result.prompt_tokens = response.usage.prompt_tokens
+            result.completion_tokens = response.usage.completion_tokens
+    result.total_s = time.perf_counter() - started
+    return result
+
+
+def open_channel(address: str) -> grpc.aio.Channel:
+    """A channel to the router with EPD's message-size bounds."""
+    return grpc.aio.insecure_channel(address, options=channel_options())

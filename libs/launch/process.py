@@ -1,0 +1,102 @@
+"""One service process: spawn `python -m services.<name>`, wait until it listens, stop it by PID.
+
+The service prints `<name> listening on HOST:PORT` to stdout once its server is up (it binds port 0
+by default, so there is no port race); stdout and stderr go to a log file the launcher polls.
+Stopping sends SIGTERM (the service drains within its grace period), then SIGKILL after a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_LISTENING = re.compile(r"listening on (\S+:\d+)")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class LaunchError(RuntimeError):
+    """A service process did not come up; the message carries the tail of its log."""
+
+
+@dataclass
+class ServiceProcess:
+    """A started service process."""
+
+    name: str
+    module: str
+    args: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+    address: str = ""
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", self.module, *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+                env=env,
+                start_new_session=True,  # a Ctrl-C in the launcher's terminal reaches only the launcher
+            )
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, timeout_s: float) -> str:
+        """Block until the service printed its address; return it."""
+        assert self.process is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            match = _LISTENING.search(self.log_path.read_text(errors="replace"))
+            if match:
+                self.address = match.group(1)
+                return self.address
+            if self.process.poll() is not None:
+                raise LaunchError(
+                    f"{self.name} exited with status {self.process.returncode} before listening:\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+        raise LaunchError(f"{self.name} did not listen within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL; returns the exit status."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        return self.process.returncode
+
+    def kill(self) -> None:
+        """SIGKILL at once (failure tests: an encoder disappearing)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(5)

@@ -1,0 +1,118 @@
+"""A whole EPD stack on loopback, one process per service, in one of three layouts:
+
+- colocated: one `services.colocated` process (serves Generate itself);
+- e+pd: N encoders + one prefill-decode service + the router;
+- e/p/d: N encoders + prefill + decode + the router.
+
+Back ends start in parallel (each loads its half of the model); the router starts once their
+addresses are known. `down()` stops the router first, then the rest, each by its PID.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from libs.launch.process import LaunchError, ServiceProcess
+
+LAYOUTS = ("colocated", "e+pd", "e/p/d")
+
+
+@dataclass
+class StackSpec:
+    """What to launch."""
+
+    layout: str = "e/p/d"
+    encoders: int = 2
+    model: Path = Path("var/models/qwen2_5_omni-tiny")
+    run_dir: Path = Path("var/run/stack")
+    torch_threads: int = 1
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for every service (EPD_*)
+    extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service name
+    ready_timeout_s: float = 120.0
+
+
+class Stack:
+    """A launched stack; use `up()` / `down()` or the `running` context manager."""
+
+    def __init__(self, spec: StackSpec) -> None:
+        if spec.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {spec.layout!r}; expected one of {', '.join(LAYOUTS)}")
+        if spec.layout != "colocated" and spec.encoders < 1:
+            raise ValueError("a disaggregated layout needs at least one encoder")
+        self.spec = spec
+        self.processes: dict[str, ServiceProcess] = {}
+        self.address = ""
+
+    def _process(self, name: str, module: str, args: list[str]) -> ServiceProcess:
+        spec = self.spec
+        process = ServiceProcess(
+            name=name,
+            module=module,
+            args=[*args, *spec.extra_args.get(name, [])],
+            log_path=spec.run_dir / f"{name}.log",
+            env=spec.env,
+        )
+        self.processes[name] = process
+        return process
+
+    def _model_args(self) -> list[str]:
+        return ["--model", str(self.spec.model), "--torch-threads", str(self.spec.torch_threads)]
+
+    def up(self) -> str:
+        """Start every service; returns the address clients call Generate on."""
+        spec = self.spec
+        started = time.monotonic()
+        try:
+            if spec.layout == "colocated":
+                colocated = self._process("colocated", "services.colocated", self._model_args())
+                colocated.start()
+                self.address = colocated.wait_ready(spec.ready_timeout_s)
+                return self.address
+            encoders = [
+                self._process(f"encoder-{i}", "services.encoder", self._model_args()) for i in range(spec.encoders)
+            ]
+            backends = (
+                [
+                    self._process("prefill", "services.prefill", self._model_args()),
+                    self._process("decode", "services.decode", self._model_args()),
+                ]
+                if spec.layout == "e/p/d"
+                else [self._process("pd", "services.pd", self._model_args())]
+            )
+            for process in [*encoders, *backends]:
+                process.start()
+            remaining = spec.ready_timeout_s
+            for process in [*encoders, *backends]:
+                process.wait_ready(max(1.0, remaining - (time.monotonic() - started)))
+            router_args = ["--layout", spec.layout, "--encoders", ",".join(p.address for p in encoders)]
+            if spec.layout == "e/p/d":
+                router_args += ["--prefill", backends[0].address, "--decode", backends[1].address]
+            else:
+                router_args += ["--pd", backends[0].address]
+            router = self._process("router", "services.router", router_args)
+            router.start()
+            self.address = router.wait_ready(max(1.0, remaining - (time.monotonic() - started)))
+            return self.address
+        except BaseException:
+            self.down()
+            raise
+
+    def down(self) -> dict[str, int | None]:
+        """Stop the router first (no new work), then the back ends; returns exit statuses."""
+        order = sorted(self.processes, key=lambda n: 0 if n == "router" else 1)
+        return {name: self.processes[name].stop() for name in order}
+
+    @contextmanager
+    def running(self) -> Iterator[Stack]:
+        self.up()
+        try:
+            yield self
+        finally:
+            self.down()
+
+
+__all__ = ["LAYOUTS", "LaunchError", "Stack", "StackSpec"]

@@ -1,0 +1,63 @@
+"""The `main` every EPD service process shares: settings, logging, tracing, one `EpdServer`, a
+"<name> listening on HOST:PORT" line on stdout (what launchers wait for), drain on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import structlog
+
+from libs.config import CommonSettings
+from libs.config.settings import main_settings
+from libs.contract.epd.v1 import service_info_pb2
+from libs.rpc.server import EpdServer, ServerOptions
+from libs.telemetry import configure_logging, configure_tracing
+
+S = TypeVar("S", bound=CommonSettings)
+
+Register = Callable[[Any, Any], None]
+
+
+@dataclasses.dataclass
+class ServiceParts:
+    """What a service contributes to its server."""
+
+    servicers: list[tuple[Register, Any, str]]  # (generated add_*_to_server, servicer, full service name)
+    info: Callable[[], service_info_pb2.ServiceInfo]
+    close: Callable[[], Awaitable[None]] | None = None
+
+
+async def serve(name: str, settings: CommonSettings, parts: ServiceParts, grace_s: float) -> None:
+    """Run one server until a signal, then drain and close the service's resources."""
+    server = EpdServer(ServerOptions(host=settings.host, port=settings.port, grace_s=grace_s), parts.info)
+    for register, servicer, full_name in parts.servicers:
+        server.add(register, servicer, full_name)
+    await server.start()
+    print(f"{name} listening on {server.address}", flush=True)
+    try:
+        await server.wait_for_termination()
+    finally:
+        if parts.close is not None:
+            await parts.close()
+
+
+def service_main(name: str, settings_cls: type[S], setup: Callable[[S], Awaitable[ServiceParts]]) -> None:
+    """Entry point of `python -m services.<name>`."""
+    settings = main_settings(settings_cls, prog=f"epd-{name}")
+    configure_logging(name, settings.log_level, settings.log_format)
+    tracing = configure_tracing(name, "0.1.0", settings.trace_exporter, settings.trace_file, settings.otlp_endpoint)
+    log = structlog.get_logger(name)
+    log.info("starting", settings={k: str(v) for k, v in dataclasses.asdict(settings).items()})
+
+    async def run() -> None:
+        parts = await setup(settings)
+        await serve(name, settings, parts, float(getattr(settings, "grace_s", 10.0)))
+
+    try:
+        asyncio.run(run())
+    finally:
+        tracing.shutdown()
+        log.info("exited")

@@ -1,0 +1,23 @@
+"""Settings shared by the services that load a model (encoder, prefill, decode, PD, colocated)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from libs.config import CommonSettings, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelServiceSettings(CommonSettings):
+    """Settings of a model-serving process."""
+
+    model: Path = setting(Path("var/models/qwen2_5_omni-tiny"), "checkpoint directory (safetensors + config)")
+    model_id: str = setting("", "model id to advertise; default: the checkpoint directory's name")
+    revision: str = setting("local", "checkpoint revision to advertise")
+    torch_threads: int = setting(1, "intra-op threads for model code (one process per core is typical)")
+    max_running: int = setting(16, "requests in progress at once")
+    max_waiting: int = setting(64, "requests waiting for a slot before RESOURCE_EXHAUSTED")
+    max_batch: int = setting(8, "sequences decoded together in one step")
+    grace_s: float = setting(10.0, "seconds in-flight requests get on shutdown")
+    file_root: Path | None = setting(None, "directory file:// media URIs may read from; unset disables them")

@@ -1,0 +1,3 @@
+from services.colocated.service import main
+
+main()

@@ -1,0 +1,62 @@
+"""gRPC adapter of the colocated service: `GenerateService` over `ColocatedCore`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from libs.contract.epd.v1 import generate_pb2, generate_pb2_grpc, service_info_pb2
+from libs.rpc.admission import Admission, deadline_of
+from libs.rpc.main import ServiceParts, service_main
+from libs.serving.identity import model_identity, service_info
+from libs.serving.settings import ModelServiceSettings
+from libs.telemetry import bind_request
+from services.colocated.core import ColocatedCore
+
+
+@dataclasses.dataclass(frozen=True)
+class ColocatedSettings(ModelServiceSettings):
+    """Colocated: encode, prefill and decode in one process."""
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(self, core: ColocatedCore, admission: Admission) -> None:
+        self._core = core
+        self._admission = admission
+
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: Any
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        with bind_request(request.request_id or "-"):
+            async with self._admission.slot(deadline_of(context.time_remaining())):
+                async for response in self._core.generate(request):
+                    yield response
+
+
+async def setup(settings: ColocatedSettings) -> ServiceParts:
+    torch.set_num_threads(settings.torch_threads)
+    core = ColocatedCore(settings.model, max_batch=settings.max_batch, file_root=settings.file_root)
+    identity = model_identity(settings, core.runtime.weights_digest)
+    info = service_info(service_info_pb2.SERVICE_ROLE_COLOCATED, identity, core.encoder.specs.values())
+
+    async def close() -> None:
+        core.close()
+
+    return ServiceParts(
+        servicers=[
+            (
+                generate_pb2_grpc.add_GenerateServiceServicer_to_server,
+                GenerateServicer(core, Admission("colocated", settings.max_running, settings.max_waiting)),
+                "epd.v1.GenerateService",
+            )
+        ],
+        info=lambda: info,
+        close=close,
+    )
+
+
+def main() -> None:
+    service_main("colocated", ColocatedSettings, setup)
