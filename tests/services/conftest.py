@@ -1,0 +1,65 @@
+"""Service-level fixtures: real stacks (one process per service, loopback gRPC), started once per
+test session per layout and stopped by PID at the end, and the colocated model's reference."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from libs.client.generate import GenerationResult, generate, open_channel
+from libs.contract.epd.v1 import generate_pb2
+from libs.engine.checkpoints import ensure_checkpoint
+from libs.engine.encoder_runner import EncoderRunner
+from libs.engine.lm_runtime import LanguageModelRuntime
+from libs.launch.stack import Stack, StackSpec
+from tests.engine.mixes import mixes
+from tests.engine.reference import load_reference
+from tests.services.golden import ALL_MODALITIES, expected_tokens
+
+MIXES = {mix.name: mix for mix in mixes(ALL_MODALITIES)}
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return ensure_checkpoint("qwen2_5_omni", "tiny")
+
+
+@pytest.fixture(scope="session")
+def expected(model_path: Path) -> dict[str, list[int]]:
+    """Greedy tokens of the model's own generate() for every mix."""
+    model = load_reference(str(model_path))
+    runtime = LanguageModelRuntime(model_path)
+    adapter = EncoderRunner(model_path).adapter
+    return {name: expected_tokens(model, runtime, adapter, mix) for name, mix in MIXES.items()}
+
+
+@pytest.fixture(scope="session")
+def stacks(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Stack]]:
+    """`stacks(layout)` starts that layout's stack on first use; all stop at session end."""
+    started: dict[str, Stack] = {}
+
+    def get(layout: str) -> Stack:
+        if layout not in started:
+            run_dir = tmp_path_factory.mktemp(layout.replace("/", "-").replace("+", "-"))
+            stack = Stack(StackSpec(layout=layout, encoders=2, model=model_path, run_dir=run_dir))
+            stack.up()
+            started[layout] = stack
+        return started[layout]
+
+    yield get
+    for stack in started.values():
+        stack.down()
+
+
+def run_requests(address: str, requests: list[generate_pb2.GenerateRequest], **kw: Any) -> list[GenerationResult]:
+    """Send requests concurrently over one channel; results in request order."""
+
+    async def go() -> list[GenerationResult]:
+        async with open_channel(address) as channel:
+            return list(await asyncio.gather(*(generate(channel, r, **kw) for r in requests)))
+
+    return asyncio.run(go())
