@@ -63,3 +63,16 @@ class DeadlineExceeded(EpdError):
     """The request's deadline passed while we waited on our side."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+_BY_CODE: dict[grpc.StatusCode, type[EpdError]] = {
+    cls.code: cls for cls in (FailedPrecondition, NotFound, ResourceExhausted, Unavailable, DeadlineExceeded)
+}
+
+
+def error_for(code: grpc.StatusCode, message: str, field: str = "request") -> EpdError:
+    """The typed error for a status code (e.g. one a lower layer or a peer reported)."""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(field, message)
+    cls = _BY_CODE.get(code)
+    return cls(message) if cls is not None else EpdError(message)

@@ -28,6 +28,8 @@ class ServiceParts:
     servicers: list[tuple[Register, Any, str]]  # (generated add_*_to_server, servicer, full service name)
     info: Callable[[], service_info_pb2.ServiceInfo]
     close: Callable[[], Awaitable[None]] | None = None
+    # Called with the bound address once the server listens (producers put it into handles).
+    on_started: Callable[[str], None] | None = None
 
 
 async def serve(name: str, settings: CommonSettings, parts: ServiceParts, grace_s: float) -> None:
@@ -36,6 +38,8 @@ async def serve(name: str, settings: CommonSettings, parts: ServiceParts, grace_
     for register, servicer, full_name in parts.servicers:
         server.add(register, servicer, full_name)
     await server.start()
+    if parts.on_started is not None:
+        parts.on_started(server.address)
     print(f"{name} listening on {server.address}", flush=True)
     try:
         await server.wait_for_termination()

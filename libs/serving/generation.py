@@ -1,53 +1,74 @@
-"""Prefill followed by decode in one process (PD and colocated services)."""
+"""Prefill and the token stream after it, shared by the prefill, decode, PD and colocated services."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 
-from libs.contract.epd.v1 import generation_pb2
+from libs.contract.epd.v1 import chat_pb2, generation_pb2
 from libs.engine import types as eng
 from libs.engine.prefill_runner import PrefillRunner
-from libs.serving.convert import chunk_to_wire, engine_errors
+from libs.serving.convert import chunk_to_wire, engine_errors, messages_to_engine
+from libs.serving.embeddings import FetchedItems, fetch_encoded
 from libs.serving.engine_loop import DecodeLoop, EngineThread
+from libs.serving.transport import Transport
 
 Streamed = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
 
 
-async def prefill_then_decode(
+async def run_prefill(
     engine: EngineThread,
-    prefill: PrefillRunner,
-    decode: DecodeLoop,
-    request_id: str,
-    messages: list[eng.ChatMessage],
+    runner: PrefillRunner,
+    messages: Sequence[chat_pb2.ChatMessage],
     sampling: eng.SamplingParams,
+    fetched: FetchedItems,
+) -> eng.PrefillResult:
+    """Prefill on the engine thread; the fetched embedding slots go back once the engine is done
+    with them - even when the caller is cancelled mid-prefill."""
+    task = asyncio.ensure_future(engine.run(runner.prefill, messages_to_engine(messages, fetched.items), sampling))
+    try:
+        with engine_errors():
+            return await asyncio.shield(task)
+    finally:
+        if task.done():
+            fetched.release()
+        else:
+            task.add_done_callback(lambda _: fetched.release())
+
+
+async def fetch_and_prefill(
+    engine: EngineThread,
+    runner: PrefillRunner,
+    transport: Transport,
+    messages: Sequence[chat_pb2.ChatMessage],
+    sampling: eng.SamplingParams,
+    deadline: float | None,
+) -> eng.PrefillResult:
+    """Read a metadata-only request's embeddings from the encoders, then prefill."""
+    specs = {spec.modality: spec for spec in runner.runtime.expected_specs()}
+    fetched = await fetch_encoded(transport, messages, specs, deadline)
+    return await run_prefill(engine, runner, messages, sampling, fetched)
+
+
+async def stream_after_prefill(
+    decode: DecodeLoop, request_id: str, result: eng.PrefillResult, sampling: eng.SamplingParams
 ) -> AsyncIterator[Streamed]:
-    """Stream `(chunk, usage)`; usage is set on the last chunk only."""
-    with engine_errors():
-        result = await engine.run(prefill.prefill, messages, sampling)
+    """The first chunk, then decode in this process; usage on the last chunk."""
     state = result.decode_state
-    generated = len(result.first_chunk.token_ids)
     if result.kv_cache is None:
-        yield (
-            chunk_to_wire(result.first_chunk),
-            generation_pb2.Usage(prompt_tokens=state.prompt_tokens, completion_tokens=generated),
-        )
+        usage = generation_pb2.Usage(prompt_tokens=state.prompt_tokens, completion_tokens=state.generated_tokens)
+        yield chunk_to_wire(result.first_chunk), usage
         return
     yield chunk_to_wire(result.first_chunk), None
-    async for item in decode_stream(decode, request_id, result.kv_cache, state, sampling, already=generated):
+    async for item in decode_stream(decode, request_id, result.kv_cache, state, sampling):
         yield item
 
 
 async def decode_stream(
-    decode: DecodeLoop,
-    request_id: str,
-    kv: eng.KvCache,
-    state: eng.DecodeState,
-    sampling: eng.SamplingParams,
-    *,
-    already: int,
+    decode: DecodeLoop, request_id: str, kv: eng.KvCache, state: eng.DecodeState, sampling: eng.SamplingParams
 ) -> AsyncIterator[Streamed]:
-    """Decode from `kv`, counting `already` generated tokens into the final usage."""
-    generated = already
+    """Decode from `kv` (after `state.generated_tokens` tokens); usage on the last chunk."""
+    generated = state.generated_tokens
     with engine_errors():
         async for chunk in decode.stream(request_id, kv, state, sampling):
             generated += len(chunk.token_ids)

@@ -14,8 +14,9 @@ from libs.engine.encoder_runner import EncoderRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.prefill_runner import PrefillRunner
 from libs.serving import convert
+from libs.serving.embeddings import FetchedItems
 from libs.serving.engine_loop import DecodeLoop, EngineThread
-from libs.serving.generation import prefill_then_decode
+from libs.serving.generation import run_prefill, stream_after_prefill
 from libs.serving.media_source import media_bytes
 
 
@@ -49,11 +50,9 @@ class ColocatedCore:
         if media:
             with convert.engine_errors("media"):
                 items = await self.engine.run(self.encoder.encode, media)
-        messages = convert.messages_to_engine(request.messages, items)
         sampling = convert.sampling_to_engine(request.sampling)
-        async for chunk, usage in prefill_then_decode(
-            self.engine, self.prefill, self.decode, request_id, messages, sampling
-        ):
+        result = await run_prefill(self.engine, self.prefill, request.messages, sampling, FetchedItems(items))
+        async for chunk, usage in stream_after_prefill(self.decode, request_id, result, sampling):
             response = generate_pb2.GenerateResponse(request_id=request_id, chunk=chunk)
             if usage is not None:
                 response.usage.CopyFrom(usage)

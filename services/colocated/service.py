@@ -49,7 +49,9 @@ async def setup(settings: ColocatedSettings) -> ServiceParts:
         servicers=[
             (
                 generate_pb2_grpc.add_GenerateServiceServicer_to_server,
-                GenerateServicer(core, Admission("colocated", settings.max_running, settings.max_waiting)),
+                GenerateServicer(
+                    core, Admission("colocated", min(settings.max_running, settings.max_batch), settings.max_waiting)
+                ),
                 "epd.v1.GenerateService",
             )
         ],

@@ -12,7 +12,7 @@ from libs.launch.stack import Stack
 from tests.services.conftest import MIXES, run_requests
 from tests.services.golden import request_for
 
-LAYOUTS = ["colocated"]
+LAYOUTS = ["colocated", "e+pd", "e/p/d"]
 
 
 @pytest.mark.timeout(300)

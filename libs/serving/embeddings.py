@@ -1,0 +1,69 @@
+"""Prefill's side of the E->P handoff: read every encoded item's embeddings from the encoders that
+hold them (one batched fetch, READs in flight together), acknowledged by the transfer library, and
+present them to the engine as `EncodedItem`s viewing this process's pool (no copy)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from libs.contract.epd.v1 import chat_pb2
+from libs.contract.errors import DeadlineExceeded
+from libs.engine import types as eng
+from libs.serving import convert
+from libs.serving.transport import Transport
+from libs.transfer import ExpectedTensor, ReceivedTensors
+
+
+@dataclass
+class FetchedItems:
+    """Items for the engine; `release()` returns their slots once the engine is done with them."""
+
+    items: list[eng.EncodedItem]
+    received: list[ReceivedTensors] = field(default_factory=list)
+
+    def release(self) -> None:
+        self.release_all(self.received)
+        self.received.clear()
+
+    @staticmethod
+    def release_all(received: Sequence[ReceivedTensors]) -> None:
+        for item in received:
+            item.release()
+
+
+def _expectation(spec: eng.EmbeddingSpec, rows: int) -> dict[str, ExpectedTensor]:
+    expected = {"embeddings": ExpectedTensor(convert.DTYPE_TO_WIRE[spec.dtype], (rows, spec.width))}
+    for extra in spec.extra_tensors:
+        expected[extra.name] = ExpectedTensor(convert.DTYPE_TO_WIRE[extra.dtype], (rows, extra.width))
+    return expected
+
+
+async def fetch_encoded(
+    transport: Transport,
+    messages: Sequence[chat_pb2.ChatMessage],
+    specs: dict[eng.Modality, eng.EmbeddingSpec],
+    deadline: float | None,
+) -> FetchedItems:
+    """Fetch the embeddings of every `encoded` part, checked against what this model consumes."""
+    parts = convert.media_parts(messages)
+    if not parts:
+        return FetchedItems([])
+    assert transport.consumer is not None
+    layouts = [convert.item_layout_to_engine(p.encoded.layout) for p in parts]
+    expected = [_expectation(specs[layout.modality], layout.placeholder_token_count) for layout in layouts]
+    timeout = None
+    if deadline is not None:
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            raise DeadlineExceeded("deadline passed before the embeddings were read")
+    received = await transport.run(
+        transport.consumer.fetch_many,
+        [p.encoded.embeddings for p in parts],
+        expected=expected,
+        timeout_s=timeout,
+        on_abandon=FetchedItems.release_all,
+    )
+    items = [eng.EncodedItem(layout, dict(r.tensors)) for layout, r in zip(layouts, received, strict=True)]
+    return FetchedItems(items, received)

@@ -1,0 +1,158 @@
+"""A service's tensor transport: its NIXL agent, producer and/or consumer, bound to gRPC.
+
+- Agent metadata is resolved with `GetServiceInfo` on the producer's address (the handle's
+  `NixlAgentRef.producer_address`), after checking the peer's contract version and model identity
+  (first contact); the transfer library caches it per incarnation.
+- Blocking transfer calls run on a small thread pool of their own, so READs overlap model compute.
+- Transfer errors become typed contract errors with the same status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import grpc
+
+from libs.contract import version
+from libs.contract.epd.v1 import (
+    service_info_pb2,
+    service_info_pb2_grpc,
+    stats_pb2,
+    tensor_pb2,
+)
+from libs.contract.errors import EpdError, error_for
+from libs.rpc.peers import check_peer
+from libs.rpc.server import channel_options
+from libs.transfer import PeerUnavailable, TensorConsumer, TensorProducer, TransferAgent, TransferConfig, TransferError
+
+T = TypeVar("T")
+
+PRODUCER_ROLES = (
+    service_info_pb2.SERVICE_ROLE_ENCODER,
+    service_info_pb2.SERVICE_ROLE_PREFILL,
+)
+
+
+@contextmanager
+def transfer_errors() -> Iterator[None]:
+    """Re-raise transfer errors as contract errors carrying the same gRPC code."""
+    try:
+        yield
+    except TransferError as exc:
+        raise error_for(exc.grpc_code, exc.message, getattr(exc, "field", "") or "handle") from exc
+
+
+class MetadataResolver:
+    """Fetches a producer's NIXL agent metadata from its `ServiceInfo` (called on transfer threads)."""
+
+    def __init__(self, model: service_info_pb2.ModelIdentity, timeout_s: float = 5.0) -> None:
+        self._model = model
+        self._timeout_s = timeout_s
+        self._channels: dict[str, grpc.Channel] = {}
+        self.infos: dict[str, service_info_pb2.ServiceInfo] = {}  # producer address -> last info seen
+
+    def __call__(self, ref: tensor_pb2.NixlAgentRef) -> bytes:
+        address = ref.producer_address
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.insecure_channel(address, options=channel_options())
+        stub = service_info_pb2_grpc.ServiceInfoServiceStub(channel)
+        try:
+            reply = stub.GetServiceInfo(
+                service_info_pb2.GetServiceInfoRequest(caller_contract_version=version.current()),
+                timeout=self._timeout_s,
+            )
+        except grpc.RpcError as exc:
+            raise PeerUnavailable(f"producer {address} unreachable: {exc.code().name}") from None
+        try:
+            check_peer(reply.info, address, roles=PRODUCER_ROLES, model=self._model)
+        except EpdError as exc:
+            raise PeerUnavailable(str(exc)) from None
+        self.infos[address] = reply.info
+        for transport in reply.info.transports:
+            if transport.kind == tensor_pb2.TRANSPORT_KIND_NIXL and transport.nixl.agent_name == ref.agent_name:
+                return bytes(transport.nixl.metadata)
+        raise PeerUnavailable(f"producer {address} no longer runs agent {ref.agent_name}")
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+
+
+class Transport:
+    """One process's transfer endpoint (agent + optional producer/consumer) and its threads."""
+
+    def __init__(
+        self,
+        config: TransferConfig,
+        model: service_info_pb2.ModelIdentity,
+        *,
+        produce: bool,
+        consume: bool,
+        threads: int = 2,
+    ) -> None:
+        self.agent = TransferAgent(config)
+        self.resolver = MetadataResolver(model)
+        self.consumer = TensorConsumer(self.agent, self.resolver) if consume else None
+        self._produce = produce
+        self.producer: TensorProducer | None = None
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="transfer")
+
+    def bind_address(self, address: str) -> None:
+        """Producers need their own gRPC address (it goes into every handle); known after bind."""
+        if self._produce and self.producer is None:
+            self.producer = TensorProducer(self.agent, producer_address=address)
+
+    async def run(
+        self, fn: Callable[..., T], *args: Any, on_abandon: Callable[[T], object] | None = None, **kwargs: Any
+    ) -> T:
+        """Run a blocking transfer call on the transfer threads. If the caller is cancelled
+        (client gone, deadline) while it runs, `on_abandon` gets its result once it finishes, so
+        slots and leases it took are given back instead of leaking."""
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        try:
+            with transfer_errors():
+                return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if on_abandon is not None:
+                cleanup = on_abandon
+
+                def give_back(done: asyncio.Future[T]) -> None:
+                    if not done.cancelled() and done.exception() is None:
+                        cleanup(done.result())
+
+                future.add_done_callback(give_back)
+            raise
+
+    def transport_info(self) -> list[service_info_pb2.TransportInfo]:
+        return [
+            service_info_pb2.TransportInfo(kind=tensor_pb2.TRANSPORT_KIND_NIXL, nixl=self.agent.agent_info()),
+            service_info_pb2.TransportInfo(kind=tensor_pb2.TRANSPORT_KIND_INLINE),
+        ]
+
+    def stats(self) -> stats_pb2.TransferPoolStats:
+        pool = self.agent.pool.stats()
+        out = stats_pb2.TransferPoolStats(
+            capacity_bytes=pool.capacity_bytes,
+            slots_in_use=pool.slots_in_use,
+            bytes_in_use=pool.bytes_in_use,
+            quarantined_slots=pool.quarantined_slots,
+        )
+        if self.producer is not None:
+            leases = self.producer.lease_stats()
+            out.active_leases = leases.active
+            out.acked_leases = leases.acked
+            out.released_leases = leases.released
+            out.expired_leases = leases.expired
+        return out
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.resolver.close()
+        self.agent.close()

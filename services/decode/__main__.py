@@ -1,0 +1,3 @@
+from services.decode.service import main
+
+main()

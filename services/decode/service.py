@@ -1,0 +1,85 @@
+"""gRPC adapter of decode: `DecodeService` (+ stats) over `DecodeCore`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from libs.config import setting
+from libs.contract.epd.v1 import decode_pb2, decode_pb2_grpc, service_info_pb2
+from libs.engine.decode_runner import DecodeRunner
+from libs.engine.lm_runtime import LanguageModelRuntime
+from libs.rpc.admission import Admission, deadline_of
+from libs.rpc.main import ServiceParts, service_main
+from libs.serving.engine_loop import DecodeLoop, EngineThread
+from libs.serving.identity import model_identity, service_info
+from libs.serving.servicers import stats_servicer
+from libs.serving.settings import ModelServiceSettings
+from libs.serving.transport import Transport
+from libs.telemetry import bind_request
+from libs.transfer import TransferConfig
+from services.decode.core import DecodeCore
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings(ModelServiceSettings):
+    """Decode: KV caches from prefill -> streamed tokens, many sequences per batched step."""
+
+    pool_mib: int = setting(512, "registered tensor pool for KV reads, in MiB")
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, core: DecodeCore, admission: Admission) -> None:
+        self._core = core
+        self._admission = admission
+
+    async def Decode(self, request: decode_pb2.DecodeRequest, context: Any) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        deadline = deadline_of(context.time_remaining())
+        with bind_request(request.request_id or "-"):
+            async with self._admission.slot(deadline):
+                async for response in self._core.decode(request, deadline):
+                    yield response
+
+
+async def setup(settings: DecodeSettings) -> ServiceParts:
+    torch.set_num_threads(settings.torch_threads)
+    runtime = LanguageModelRuntime(settings.model)
+    identity = model_identity(settings, runtime.weights_digest)
+    transport = Transport(
+        TransferConfig(agent_name_prefix="decode", pool_bytes=settings.pool_mib * MiB),
+        identity,
+        produce=False,
+        consume=True,
+    )
+    engine = EngineThread("decode")
+    loop = DecodeLoop(DecodeRunner(runtime, max_batch=settings.max_batch), engine)
+    core = DecodeCore(runtime, loop, transport)
+    # Requests beyond the decode batch wait in admission instead of failing in the runner.
+    admission = Admission("decode", min(settings.max_running, settings.max_batch), settings.max_waiting)
+    info = service_info(service_info_pb2.SERVICE_ROLE_DECODE, identity, (), transport.transport_info())
+
+    async def close() -> None:
+        engine.shutdown()
+        transport.close()
+
+    return ServiceParts(
+        servicers=[
+            (
+                decode_pb2_grpc.add_DecodeServiceServicer_to_server,
+                DecodeServicer(core, admission),
+                "epd.v1.DecodeService",
+            ),
+            stats_servicer(transport, lambda: admission.running + admission.waiting, lambda: loop.active),
+        ],
+        info=lambda: info,
+        close=close,
+    )
+
+
+def main() -> None:
+    service_main("decode", DecodeSettings, setup)

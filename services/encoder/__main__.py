@@ -1,0 +1,3 @@
+from services.encoder.service import main
+
+main()

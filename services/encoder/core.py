@@ -1,0 +1,72 @@
+"""Encoder core: media items -> embeddings kept in this process's registered pool, plus layout.
+
+Per `Encode` call: validate, resolve each item's bytes, run the tower (items of one modality in one
+forward, on the engine thread), then place each item's tensors in a pool slot and return its
+handle (NIXL) - or the bytes themselves when the consumer accepts only INLINE. Slots are freed by
+the consumer's completion notification, `ReleaseLeases`, or lease expiry. If anything fails after
+some items were placed, those leases are released before the error goes back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from libs.contract.epd.v1 import encoder_pb2, layout_pb2, tensor_pb2
+from libs.contract.validation import Limits, validate_encode_request
+from libs.engine.encoder_runner import EncoderRunner
+from libs.serving import convert
+from libs.serving.engine_loop import EngineThread
+from libs.serving.media_source import media_bytes
+from libs.serving.transport import Transport
+
+
+class EncoderCore:
+    def __init__(
+        self,
+        runner: EncoderRunner,
+        transport: Transport,
+        engine: EngineThread,
+        *,
+        limits: Limits | None = None,
+        file_root: Path | None = None,
+    ) -> None:
+        self.runner = runner
+        self.transport = transport
+        self.engine = engine
+        self.limits = limits or Limits()
+        self.file_root = file_root
+
+    async def encode(self, request: encoder_pb2.EncodeRequest) -> encoder_pb2.EncodeResponse:
+        validate_encode_request(request, self.limits)
+        media = [
+            convert.media_input(
+                item.media,
+                item.item_index,
+                media_bytes(
+                    item.media,
+                    f"items[{i}].media",
+                    max_bytes=self.limits.max_inline_media_bytes,
+                    file_root=self.file_root,
+                ),
+            )
+            for i, item in enumerate(request.items)
+        ]
+        with convert.engine_errors():
+            encoded = await self.engine.run(self.runner.encode, media)
+        nixl = tensor_pb2.TRANSPORT_KIND_NIXL in request.accepted_transports
+        producer = self.transport.producer
+        assert producer is not None, "the transport is bound once the server listens"
+        response = encoder_pb2.EncodeResponse()
+        try:
+            for item in encoded:
+                put = producer.put if nixl else producer.put_inline
+                handle = await self.transport.run(
+                    put, item.tensors, on_abandon=lambda h: producer.release([h.lease_id])
+                )
+                response.items.append(
+                    layout_pb2.EncodedMedia(layout=convert.item_layout_to_wire(item.layout), embeddings=handle)
+                )
+        except BaseException:
+            producer.release(i.embeddings.lease_id for i in response.items)
+            raise
+        return response

@@ -1,0 +1,86 @@
+"""gRPC adapter of the encoder: `EncoderService` (+ leases, stats) over `EncoderCore`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from libs.config import setting
+from libs.contract.epd.v1 import encoder_pb2, encoder_pb2_grpc, service_info_pb2
+from libs.engine.encoder_runner import EncoderRunner
+from libs.rpc.admission import Admission, deadline_of
+from libs.rpc.main import ServiceParts, service_main
+from libs.serving.engine_loop import EngineThread
+from libs.serving.identity import model_identity, service_info
+from libs.serving.servicers import lease_servicer, stats_servicer
+from libs.serving.settings import ModelServiceSettings
+from libs.serving.transport import Transport
+from libs.telemetry import bind_request
+from libs.transfer import TransferConfig
+from services.encoder.core import EncoderCore
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderSettings(ModelServiceSettings):
+    """Encoder: media -> embeddings held in a registered pool for prefill to read."""
+
+    pool_mib: int = setting(256, "registered tensor pool, in MiB")
+    lease_ttl_s: float = setting(30.0, "seconds an unread embedding is kept before it is reclaimed")
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
+    def __init__(self, core: EncoderCore, admission: Admission) -> None:
+        self._core = core
+        self._admission = admission
+
+    async def Encode(self, request: encoder_pb2.EncodeRequest, context: Any) -> encoder_pb2.EncodeResponse:
+        with bind_request(request.request_id or "-"):
+            async with self._admission.slot(deadline_of(context.time_remaining())):
+                return await self._core.encode(request)
+
+
+async def setup(settings: EncoderSettings) -> ServiceParts:
+    torch.set_num_threads(settings.torch_threads)
+    runner = EncoderRunner(settings.model)
+    identity = model_identity(settings, runner.weights_digest)
+    transport = Transport(
+        TransferConfig(
+            agent_name_prefix="encoder", pool_bytes=settings.pool_mib * MiB, lease_ttl_s=settings.lease_ttl_s
+        ),
+        identity,
+        produce=True,
+        consume=False,
+    )
+    engine = EngineThread("encoder")
+    core = EncoderCore(runner, transport, engine, file_root=settings.file_root)
+    admission = Admission("encoder", settings.max_running, settings.max_waiting)
+    info = service_info(
+        service_info_pb2.SERVICE_ROLE_ENCODER, identity, runner.specs.values(), transport.transport_info()
+    )
+
+    async def close() -> None:
+        engine.shutdown()
+        transport.close()
+
+    return ServiceParts(
+        servicers=[
+            (
+                encoder_pb2_grpc.add_EncoderServiceServicer_to_server,
+                EncoderServicer(core, admission),
+                "epd.v1.EncoderService",
+            ),
+            lease_servicer(transport),
+            stats_servicer(transport, lambda: admission.running + admission.waiting),
+        ],
+        info=lambda: info,
+        close=close,
+        on_started=transport.bind_address,
+    )
+
+
+def main() -> None:
+    service_main("encoder", EncoderSettings, setup)

@@ -1,0 +1,3 @@
+from services.pd.service import main
+
+main()

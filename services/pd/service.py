@@ -1,0 +1,89 @@
+"""gRPC adapter of the PD service: `PrefillDecodeService` (+ stats) over `PrefillDecodeCore`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from libs.config import setting
+from libs.contract.epd.v1 import prefill_decode_pb2, prefill_decode_pb2_grpc, service_info_pb2
+from libs.engine.decode_runner import DecodeRunner
+from libs.engine.lm_runtime import LanguageModelRuntime
+from libs.engine.prefill_runner import PrefillRunner
+from libs.rpc.admission import Admission, deadline_of
+from libs.rpc.main import ServiceParts, service_main
+from libs.serving.engine_loop import DecodeLoop, EngineThread
+from libs.serving.identity import model_identity, service_info
+from libs.serving.servicers import stats_servicer
+from libs.serving.settings import ModelServiceSettings
+from libs.serving.transport import Transport
+from libs.telemetry import bind_request
+from libs.transfer import TransferConfig
+from services.pd.core import PrefillDecodeCore
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillDecodeSettings(ModelServiceSettings):
+    """PD: metadata-only requests -> prefill and decode in one process (E+PD layout)."""
+
+    pool_mib: int = setting(256, "registered tensor pool for embedding reads, in MiB")
+
+
+class PrefillDecodeServicer(prefill_decode_pb2_grpc.PrefillDecodeServiceServicer):
+    def __init__(self, core: PrefillDecodeCore, admission: Admission) -> None:
+        self._core = core
+        self._admission = admission
+
+    async def PrefillDecode(
+        self, request: prefill_decode_pb2.PrefillDecodeRequest, context: Any
+    ) -> AsyncIterator[prefill_decode_pb2.PrefillDecodeResponse]:
+        deadline = deadline_of(context.time_remaining())
+        with bind_request(request.request_id or "-"):
+            async with self._admission.slot(deadline):
+                async for response in self._core.generate(request, deadline):
+                    yield response
+
+
+async def setup(settings: PrefillDecodeSettings) -> ServiceParts:
+    torch.set_num_threads(settings.torch_threads)
+    runtime = LanguageModelRuntime(settings.model)
+    identity = model_identity(settings, runtime.weights_digest)
+    transport = Transport(
+        TransferConfig(agent_name_prefix="pd", pool_bytes=settings.pool_mib * MiB),
+        identity,
+        produce=False,
+        consume=True,
+    )
+    engine = EngineThread("pd")
+    loop = DecodeLoop(DecodeRunner(runtime, max_batch=settings.max_batch), engine)
+    core = PrefillDecodeCore(PrefillRunner(runtime), loop, transport, engine)
+    admission = Admission("pd", min(settings.max_running, settings.max_batch), settings.max_waiting)
+    info = service_info(
+        service_info_pb2.SERVICE_ROLE_PREFILL_DECODE, identity, runtime.expected_specs(), transport.transport_info()
+    )
+
+    async def close() -> None:
+        engine.shutdown()
+        transport.close()
+
+    return ServiceParts(
+        servicers=[
+            (
+                prefill_decode_pb2_grpc.add_PrefillDecodeServiceServicer_to_server,
+                PrefillDecodeServicer(core, admission),
+                "epd.v1.PrefillDecodeService",
+            ),
+            stats_servicer(transport, lambda: admission.running + admission.waiting, lambda: loop.active),
+        ],
+        info=lambda: info,
+        close=close,
+    )
+
+
+def main() -> None:
+    service_main("pd", PrefillDecodeSettings, setup)

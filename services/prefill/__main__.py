@@ -1,0 +1,3 @@
+from services.prefill.service import main
+
+main()
