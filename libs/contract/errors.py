@@ -65,8 +65,14 @@ class DeadlineExceeded(EpdError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class DataLoss(EpdError):
+    """Transferred bytes do not match their checksum (e.g. a read of a reclaimed, reused slot)."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 _BY_CODE: dict[grpc.StatusCode, type[EpdError]] = {
-    cls.code: cls for cls in (FailedPrecondition, NotFound, ResourceExhausted, Unavailable, DeadlineExceeded)
+    cls.code: cls for cls in (FailedPrecondition, NotFound, ResourceExhausted, Unavailable, DeadlineExceeded, DataLoss)
 }
 
 

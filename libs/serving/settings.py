@@ -21,3 +21,9 @@ class ModelServiceSettings(CommonSettings):
     max_batch: int = setting(8, "sequences decoded together in one step")
     grace_s: float = setting(10.0, "seconds in-flight requests get on shutdown")
     file_root: Path | None = setting(None, "directory file:// media URIs may read from; unset disables them")
+    pool_mib: int = setting(256, "registered tensor pool, in MiB")
+    lease_ttl_s: float = setting(30.0, "seconds tensors held for a consumer are kept if never read")
+    checksum: bool = setting(
+        True, "attach and verify a CRC32 per transferred tensor (catches reads of reclaimed slots)"
+    )
+    poison_freed: bool = setting(True, "overwrite freed slots, so a read of a reclaimed slot fails its checksum")

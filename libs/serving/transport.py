@@ -28,6 +28,7 @@ from libs.contract.epd.v1 import (
 from libs.contract.errors import EpdError, error_for
 from libs.rpc.peers import check_peer
 from libs.rpc.server import channel_options
+from libs.serving.settings import ModelServiceSettings
 from libs.transfer import PeerUnavailable, TensorConsumer, TensorProducer, TransferAgent, TransferConfig, TransferError
 
 T = TypeVar("T")
@@ -45,6 +46,18 @@ def transfer_errors() -> Iterator[None]:
         yield
     except TransferError as exc:
         raise error_for(exc.grpc_code, exc.message, getattr(exc, "field", "") or "handle") from exc
+
+
+def transfer_config(settings: ModelServiceSettings, role: str) -> TransferConfig:
+    """The transport configuration of a model service."""
+    return TransferConfig(
+        agent_name_prefix=role,
+        pool_bytes=settings.pool_mib << 20,
+        lease_ttl_s=settings.lease_ttl_s,
+        checksum=settings.checksum,
+        verify_checksum=settings.checksum,
+        poison_freed=settings.poison_freed,
+    )
 
 
 class MetadataResolver:

@@ -18,12 +18,9 @@ from libs.serving.engine_loop import DecodeLoop, EngineThread
 from libs.serving.identity import model_identity, service_info
 from libs.serving.servicers import stats_servicer
 from libs.serving.settings import ModelServiceSettings
-from libs.serving.transport import Transport
+from libs.serving.transport import Transport, transfer_config
 from libs.telemetry import bind_request
-from libs.transfer import TransferConfig
 from services.decode.core import DecodeCore
-
-MiB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +48,7 @@ async def setup(settings: DecodeSettings) -> ServiceParts:
     runtime = LanguageModelRuntime(settings.model)
     identity = model_identity(settings, runtime.weights_digest)
     transport = Transport(
-        TransferConfig(agent_name_prefix="decode", pool_bytes=settings.pool_mib * MiB),
+        transfer_config(settings, "decode"),
         identity,
         produce=False,
         consume=True,

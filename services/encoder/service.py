@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from libs.config import setting
 from libs.contract.epd.v1 import encoder_pb2, encoder_pb2_grpc, service_info_pb2
 from libs.engine.encoder_runner import EncoderRunner
 from libs.rpc.admission import Admission, deadline_of
@@ -16,20 +15,14 @@ from libs.serving.engine_loop import EngineThread
 from libs.serving.identity import model_identity, service_info
 from libs.serving.servicers import lease_servicer, stats_servicer
 from libs.serving.settings import ModelServiceSettings
-from libs.serving.transport import Transport
+from libs.serving.transport import Transport, transfer_config
 from libs.telemetry import bind_request
-from libs.transfer import TransferConfig
 from services.encoder.core import EncoderCore
-
-MiB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class EncoderSettings(ModelServiceSettings):
     """Encoder: media -> embeddings held in a registered pool for prefill to read."""
-
-    pool_mib: int = setting(256, "registered tensor pool, in MiB")
-    lease_ttl_s: float = setting(30.0, "seconds an unread embedding is kept before it is reclaimed")
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
@@ -48,9 +41,7 @@ async def setup(settings: EncoderSettings) -> ServiceParts:
     runner = EncoderRunner(settings.model)
     identity = model_identity(settings, runner.weights_digest)
     transport = Transport(
-        TransferConfig(
-            agent_name_prefix="encoder", pool_bytes=settings.pool_mib * MiB, lease_ttl_s=settings.lease_ttl_s
-        ),
+        transfer_config(settings, "encoder"),
         identity,
         produce=True,
         consume=False,

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from libs.config import setting
 from libs.contract.epd.v1 import prefill_decode_pb2, prefill_decode_pb2_grpc, service_info_pb2
 from libs.engine.decode_runner import DecodeRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
@@ -19,19 +18,14 @@ from libs.serving.engine_loop import DecodeLoop, EngineThread
 from libs.serving.identity import model_identity, service_info
 from libs.serving.servicers import stats_servicer
 from libs.serving.settings import ModelServiceSettings
-from libs.serving.transport import Transport
+from libs.serving.transport import Transport, transfer_config
 from libs.telemetry import bind_request
-from libs.transfer import TransferConfig
 from services.pd.core import PrefillDecodeCore
-
-MiB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefillDecodeSettings(ModelServiceSettings):
     """PD: metadata-only requests -> prefill and decode in one process (E+PD layout)."""
-
-    pool_mib: int = setting(256, "registered tensor pool for embedding reads, in MiB")
 
 
 class PrefillDecodeServicer(prefill_decode_pb2_grpc.PrefillDecodeServiceServicer):
@@ -54,7 +48,7 @@ async def setup(settings: PrefillDecodeSettings) -> ServiceParts:
     runtime = LanguageModelRuntime(settings.model)
     identity = model_identity(settings, runtime.weights_digest)
     transport = Transport(
-        TransferConfig(agent_name_prefix="pd", pool_bytes=settings.pool_mib * MiB),
+        transfer_config(settings, "pd"),
         identity,
         produce=False,
         consume=True,

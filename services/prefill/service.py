@@ -17,12 +17,9 @@ from libs.serving.engine_loop import EngineThread
 from libs.serving.identity import model_identity, service_info
 from libs.serving.servicers import lease_servicer, stats_servicer
 from libs.serving.settings import ModelServiceSettings
-from libs.serving.transport import Transport
+from libs.serving.transport import Transport, transfer_config
 from libs.telemetry import bind_request
-from libs.transfer import TransferConfig
 from services.prefill.core import PrefillCore
-
-MiB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +27,6 @@ class PrefillSettings(ModelServiceSettings):
     """Prefill: metadata-only requests -> KV cache for decode + the first token."""
 
     pool_mib: int = setting(512, "registered tensor pool (embeddings read + KV published), in MiB")
-    lease_ttl_s: float = setting(30.0, "seconds an unread KV cache is kept before it is reclaimed")
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -50,9 +46,7 @@ async def setup(settings: PrefillSettings) -> ServiceParts:
     runtime = LanguageModelRuntime(settings.model)
     identity = model_identity(settings, runtime.weights_digest)
     transport = Transport(
-        TransferConfig(
-            agent_name_prefix="prefill", pool_bytes=settings.pool_mib * MiB, lease_ttl_s=settings.lease_ttl_s
-        ),
+        transfer_config(settings, "prefill"),
         identity,
         produce=True,
         consume=True,

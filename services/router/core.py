@@ -44,8 +44,9 @@ _log = structlog.get_logger(__name__)
 
 # Encoder failures worth another encoder; anything else (bad media) goes back to the client.
 _RETRYABLE_ENCODE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
-# Prefill failures meaning "an embedding is gone": re-encode once before any token was streamed.
-_EMBEDDING_GONE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE}
+# Prefill failures meaning "an embedding is gone" (expired, encoder restarted or dead, slot reclaimed
+# and reused): re-encode once before any token was streamed.
+_EMBEDDING_GONE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS}
 
 
 class RpcFailed(EpdError):

@@ -52,7 +52,8 @@ def stacks(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
     yield get
     for stack in started.values():
-        stack.down()
+        statuses = stack.down()
+        assert all(code == 0 for code in statuses.values()), f"unclean exit: {statuses}"
 
 
 def run_requests(address: str, requests: list[generate_pb2.GenerateRequest], **kw: Any) -> list[GenerationResult]:
@@ -63,3 +64,37 @@ def run_requests(address: str, requests: list[generate_pb2.GenerateRequest], **k
             return list(await asyncio.gather(*(generate(channel, r, **kw) for r in requests)))
 
     return asyncio.run(go())
+
+
+def pool_stats(address: str) -> Any:
+    """`GetStats` of one service."""
+    import grpc
+
+    from libs.contract.epd.v1 import stats_pb2, stats_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return stats_pb2_grpc.StatsServiceStub(channel).GetStats(stats_pb2.GetStatsRequest(), timeout=5)
+
+
+def wait_pools_empty(stack: Stack, timeout_s: float = 15.0, *, allow_quarantine: bool = False) -> dict[str, Any]:
+    """Poll every pool-holding service until no slot, lease or request is held; returns the stats.
+    `allow_quarantine` tolerates slots quarantined after a READ timed out (a peer died mid-read):
+    they return to the pool only after the quarantine period, by design."""
+    import time
+
+    names = [n for n in stack.processes if n != "router" and stack.processes[n].alive()]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = {name: pool_stats(stack.processes[name].address) for name in names}
+        busy = {
+            name: s
+            for name, s in stats.items()
+            if s.pool.slots_in_use
+            or (s.pool.quarantined_slots and not allow_quarantine)
+            or s.pool.active_leases
+            or s.requests_in_flight
+        }
+        if not busy or time.monotonic() > deadline:
+            assert not busy, f"pools not empty after {timeout_s} s: {busy}"
+            return stats
+        time.sleep(0.1)
