@@ -49,8 +49,10 @@ class PrefillRunner:
         ids = torch.tensor([prompt.input_ids], dtype=torch.long)
         embeds = runtime.embed(ids)
         for placed, item in zip(prompt.items, prompt.encoded, strict=True):
-            count = placed.layout.placeholder_token_count
-            embeds[0, placed.start : placed.start + count] = item.embeddings.to(embeds.dtype)
+            row = 0
+            for start, rows in placed.row_spans():
+                embeds[0, start : start + rows] = item.embeddings[row : row + rows].to(embeds.dtype)
+                row += rows
         positions, rope_delta = runtime.adapter.position_ids(prompt.input_ids, prompt.items)
         extras = runtime.adapter.prefill_extras(
             prompt.items, [item.tensors for item in prompt.encoded], len(prompt.input_ids)

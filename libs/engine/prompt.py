@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from libs.engine.errors import InvalidRequestError, UnsupportedModalityError
+from libs.engine.errors import EmbeddingMismatchError, InvalidRequestError, UnsupportedModalityError
 from libs.engine.families.base import FamilyAdapter, PlacedItem
 from libs.engine.types import ChatMessage, EncodedItem, EncodedPart, TextPart
 
@@ -53,16 +53,29 @@ def build_prompt(tokenizer: Any, adapter: FamilyAdapter, messages: list[ChatMess
     input_ids: list[int] = []
     items: list[PlacedItem] = []
     next_item = 0
+    absorb_next: int | None = None  # a template token the previous expansion already replaced
     for token in raw_ids:
+        pending, absorb_next = absorb_next, None
+        if token == pending:
+            continue
         modality = placeholder_ids.get(token)
         if modality is None:
             input_ids.append(token)
             continue
         if next_item >= len(encoded) or encoded[next_item].layout.modality is not modality:
             raise InvalidRequestError("placeholders do not match the media parts", field="messages")
-        expansion, offset = adapter.expand_placeholder(encoded[next_item].layout, token)
-        items.append(PlacedItem(start=len(input_ids) + offset, layout=encoded[next_item].layout))
-        input_ids.extend(expansion)
+        layout = encoded[next_item].layout
+        expansion = adapter.expand_placeholder(layout, token, tokenizer)
+        before, absorb_next = expansion.absorb
+        if before is not None and input_ids and input_ids[-1] == before:
+            input_ids.pop()
+        spans = tuple((len(input_ids) + offset, rows) for offset, rows in expansion.spans)
+        if sum(rows for _, rows in spans) != layout.placeholder_token_count:
+            raise EmbeddingMismatchError(
+                "layout grid does not match placeholder_token_count", field="layout.placeholder_token_count"
+            )
+        items.append(PlacedItem(start=spans[0][0], layout=layout, spans=spans))
+        input_ids.extend(expansion.tokens)
         next_item += 1
     if next_item != len(encoded):
         raise InvalidRequestError("chat template dropped a media part", field="messages")

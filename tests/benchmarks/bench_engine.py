@@ -1,6 +1,6 @@
 """CPU cost of each engine stage (a benchmark script, not a test; pytest does not collect it).
 
-    .venv/bin/python tests/benchmarks/bench_engine.py --family qwen2_5_omni --sizes tiny small
+    .venv/bin/python tests/benchmarks/bench_engine.py --family qwen2_5_omni qwen2_5_vl qwen3_vl --sizes tiny small
 
 Reports CPU time (process_time: all threads) and wall time per stage: encode per item, prefill per
 500 prompt tokens, decode per token, and batched decode throughput at 1/4/8 sequences.
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from libs.engine.checkpoints import ensure_checkpoint
+from libs.engine.checkpoints import FAMILIES, ensure_checkpoint
 from libs.engine.decode_runner import DecodeRunner
 from libs.engine.encoder_runner import EncoderRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
@@ -106,15 +106,19 @@ def bench(family: str, size: str, repeat: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", default="qwen2_5_omni")
+    parser.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)  # 1 keeps CPU figures honest on a shared, busy machine
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     print("| checkpoint | stage | CPU time | wall time |\n|---|---|---|---|")
-    for size in args.sizes:
-        for row in bench(args.family, size, args.repeat):
-            print(row, flush=True)
+    for family in args.family:
+        for size in args.sizes:
+            for row in bench(family, size, args.repeat):
+                print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +15,56 @@ from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.prefill_runner import PrefillRunner
 from tests.engine.reference import load_reference
 
+FAMILIES = ("qwen2_5_omni", "qwen2_5_vl", "qwen3_vl")
+
+
+class Engines:
+    """One family's tiny checkpoint and in-process runners, built on first use."""
+
+    def __init__(self, family: str) -> None:
+        self.family = family
+
+    @cached_property
+    def path(self) -> Path:
+        return ensure_checkpoint(self.family, "tiny")
+
+    @cached_property
+    def encoder(self) -> EncoderRunner:
+        return EncoderRunner(self.path)
+
+    @cached_property
+    def runtime(self) -> LanguageModelRuntime:
+        return LanguageModelRuntime(self.path)
+
+    @cached_property
+    def prefill(self) -> PrefillRunner:
+        return PrefillRunner(self.runtime)
+
+    @cached_property
+    def reference(self) -> Any:
+        torch.manual_seed(0)
+        return load_reference(str(self.path))
+
 
 @pytest.fixture(scope="session")
-def omni_path() -> Path:
-    return ensure_checkpoint("qwen2_5_omni", "tiny")
+def engines() -> Callable[[str], Engines]:
+    cache: dict[str, Engines] = {}
+    return lambda family: cache.setdefault(family, Engines(family))
 
 
 @pytest.fixture(scope="session")
-def omni_encoder(omni_path: Path) -> EncoderRunner:
-    return EncoderRunner(omni_path)
+def omni_path(engines: Callable[[str], Engines]) -> Path:
+    return engines("qwen2_5_omni").path
 
 
 @pytest.fixture(scope="session")
-def omni_runtime(omni_path: Path) -> LanguageModelRuntime:
-    return LanguageModelRuntime(omni_path)
+def omni_encoder(engines: Callable[[str], Engines]) -> EncoderRunner:
+    return engines("qwen2_5_omni").encoder
+
+
+@pytest.fixture(scope="session")
+def omni_runtime(engines: Callable[[str], Engines]) -> LanguageModelRuntime:
+    return engines("qwen2_5_omni").runtime
 
 
 @pytest.fixture
@@ -44,6 +81,5 @@ def omni_decode(omni_runtime: LanguageModelRuntime) -> Iterator[DecodeRunner]:
 
 
 @pytest.fixture(scope="session")
-def omni_reference(omni_path: Path) -> Any:
-    torch.manual_seed(0)
-    return load_reference(str(omni_path))
+def omni_reference(engines: Callable[[str], Engines]) -> Any:
+    return engines("qwen2_5_omni").reference

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
 from libs.engine.checkpoint import Checkpoint
 from libs.engine.families import adapter_for
@@ -38,15 +39,21 @@ def load_reference(model_path: str) -> Any:
     model = cls(adapter.config).eval()
     result = model.load_state_dict(checkpoint.load(rename), strict=False)
     assert not result.missing_keys and not result.unexpected_keys, result
+    # As from_pretrained would: stop on the checkpoint's end-of-sequence ids, like the runners do.
+    model.generation_config = GenerationConfig.from_pretrained(model_path)
     return model
 
 
-def reference_inputs(input_ids: list[int], prepared: list[PreparedItem]) -> dict[str, Any]:
-    """generate() kwargs from our prompt ids and the preprocessed items (in prompt order)."""
-    kwargs: dict[str, Any] = {
-        "input_ids": torch.tensor([input_ids]),
-        "attention_mask": torch.ones(1, len(input_ids), dtype=torch.long),
-    }
+def reference_inputs(input_ids: list[int], prepared: list[PreparedItem], model: Any = None) -> dict[str, Any]:
+    """generate() kwargs from our prompt ids and the preprocessed items (in prompt order), named as
+    `model`'s class wants them (no model: the Omni thinker's names)."""
+    ids = torch.tensor([input_ids])
+    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones(1, len(input_ids), dtype=torch.long)}
+    model_type = model.config.model_type if model is not None else "qwen2_5_omni"
+    if model_type in ("qwen2_5_vl", "qwen3_vl"):
+        # What the processors return next to input_ids: 1 on image rows, 2 on video rows.
+        cfg = model.config
+        kwargs["mm_token_type_ids"] = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
     images = [p for p in prepared if p.layout.modality is Modality.IMAGE]
     videos = [p for p in prepared if p.layout.modality is Modality.VIDEO]
     audios = [p for p in prepared if p.layout.modality is Modality.AUDIO]
@@ -60,9 +67,11 @@ def reference_inputs(input_ids: list[int], prepared: list[PreparedItem]) -> dict
         kwargs["video_grid_thw"] = torch.tensor(
             [[p.layout.video.grid_t, p.layout.video.grid_h, p.layout.video.grid_w] for p in videos if p.layout.video]
         )
-        kwargs["video_second_per_grid"] = torch.tensor(
-            [p.layout.video.seconds_per_grid for p in videos if p.layout.video]
-        )
+        seconds = torch.tensor([p.layout.video.seconds_per_grid for p in videos if p.layout.video])
+        if model_type == "qwen2_5_vl":
+            kwargs["second_per_grid_ts"] = seconds
+        elif model_type != "qwen3_vl":  # Qwen3-VL takes time from the timestamp text instead
+            kwargs["video_second_per_grid"] = seconds
     if audios:
         width = max(p.inputs["input_features"].shape[1] for p in audios)
         feats = torch.zeros(len(audios), audios[0].inputs["input_features"].shape[0], width)

@@ -1,6 +1,8 @@
-"""One engine stage in its own process, driven over stdin/stdout with `wire` frames.
+"""One engine stage in its own process, driven over stdin/stdout with `wire` frames. The process
+holds one runner per model (one process per role serves every family under test, so the torch
+import is paid once); each request names its model by path.
 
-python -m tests.engine.stage_worker {encoder|prefill|decode} MODEL_PATH
+python -m tests.engine.stage_worker {encoder|prefill|decode} MODEL_PATH [MODEL_PATH ...]
 """
 
 from __future__ import annotations
@@ -114,18 +116,21 @@ def handle_decode(runner: DecodeRunner, op: str, head: dict[str, Any], tensors: 
     return wire.pack({"results": results, "batch_sizes": batch_sizes}, out)
 
 
+def _runner(role: str, model_path: str) -> Any:
+    if role == "encoder":
+        return EncoderRunner(model_path)
+    if role == "prefill":
+        return PrefillRunner(LanguageModelRuntime(model_path))
+    return DecodeRunner(LanguageModelRuntime(model_path))
+
+
 def main() -> None:
-    role, model_path = sys.argv[1], sys.argv[2]
+    role, model_paths = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)  # several stage processes share two cores
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write into the frame stream
-    runner: Any
-    if role == "encoder":
-        runner, handler = EncoderRunner(model_path), handle_encoder
-    elif role == "prefill":
-        runner, handler = PrefillRunner(LanguageModelRuntime(model_path)), handle_prefill
-    else:
-        runner, handler = DecodeRunner(LanguageModelRuntime(model_path)), handle_decode
+    handler = {"encoder": handle_encoder, "prefill": handle_prefill, "decode": handle_decode}[role]
+    runners = {path: _runner(role, path) for path in model_paths}
     wire.write_frame(stdout, wire.pack({"ready": True, "pid": os.getpid(), "role": role}))
     while True:
         try:
@@ -136,7 +141,7 @@ def main() -> None:
         if op == "exit":
             return
         try:
-            reply = handler(runner, op, head, tensors)
+            reply = handler(runners[head["model"]], op, head, tensors)
         except EngineError as exc:
             reply = wire.pack(
                 {"error": type(exc).__name__, "kind": exc.kind.value, "message": str(exc), "field": exc.field}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from libs.engine.types import (
     SamplingParams,
     TextPart,
 )
+from tests.engine.conftest import FAMILIES, Engines
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -194,7 +196,32 @@ def test_decode_batch_capacity(omni_prefill: PrefillRunner, omni_runtime: Langua
     assert err.value.kind is ErrorKind.RESOURCE_EXHAUSTED
 
 
-def test_checkpoint_is_deterministic(omni_path: Path, tmp_path: Path) -> None:
-    again = generate_checkpoint("qwen2_5_omni", "tiny", tmp_path / "again", seed=0)
-    for name in ("model.safetensors", "tokenizer.json", "config.json"):
-        assert (again / name).read_bytes() == (omni_path / name).read_bytes(), name
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_is_deterministic(family: str, engines: Callable[[str], Engines], tmp_path: Path) -> None:
+    again = generate_checkpoint(family, "tiny", tmp_path / "again", seed=0)
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "chat_template.jinja"):
+        assert (again / name).read_bytes() == (engines(family).path / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_vl_grid_must_fit_placeholder_count(family: str, engines: Callable[[str], Engines]) -> None:
+    eng = engines(family)
+    (item,) = eng.encoder.encode([MediaInput(Modality.IMAGE, synthetic.png_bytes(56, 56, seed=0))])
+    assert item.layout.image is not None
+    wider = dataclasses.replace(item.layout.image, grid_w=item.layout.image.grid_w * 2)
+    bad = EncodedItem(dataclasses.replace(item.layout, image=wider), item.tensors)
+    with pytest.raises(EmbeddingMismatchError) as err:
+        eng.prefill.prefill(_ask(bad), SamplingParams(max_tokens=2))
+    assert err.value.field == "layout.detail"
+
+
+def test_qwen3_vl_needs_every_deepstack_tensor(engines: Callable[[str], Engines]) -> None:
+    eng = engines("qwen3_vl")
+    (item,) = eng.encoder.encode([MediaInput(Modality.IMAGE, synthetic.png_bytes(56, 56, seed=0))])
+    assert sorted(item.tensors) == ["deepstack.0", "deepstack.1", "embeddings"]
+    for bad in (
+        {k: v for k, v in item.tensors.items() if k != "deepstack.1"},  # missing
+        {**item.tensors, "deepstack.0": item.tensors["deepstack.0"][:-1]},  # rows do not fit
+    ):
+        with pytest.raises(EmbeddingMismatchError):
+            eng.prefill.prefill(_ask(EncodedItem(item.layout, bad)), SamplingParams(max_tokens=2))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from libs.engine.checkpoints import vl_specs
+from libs.engine.checkpoints.common import FamilySpec, rename_prefix, round_vocab
 
 _OMNI_SPECIALS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
@@ -62,22 +63,6 @@ _AUDIO_FEATURES = {
 }
 
 
-@dataclass(frozen=True)
-class FamilySpec:
-    bpe_vocab: int
-    special_tokens: list[str]
-    chat_template: str
-    eos: str
-    pad: str
-    build: Callable[[str, dict[str, int], int, int], tuple[dict[str, Any], torch.nn.Module]]
-    hub_name: Callable[[str], str]
-    extra_files: Callable[[str], dict[str, dict[str, Any]]]
-
-
-def _round_vocab(n: int) -> int:
-    return (n + 63) // 64 * 64
-
-
 # ---- Qwen2.5-Omni thinker ----------------------------------------------------------------------
 
 _OMNI_SIZES: dict[str, dict[str, Any]] = {
@@ -96,7 +81,7 @@ def _omni_build(size: str, ids: dict[str, int], tok_len: int, seed: int) -> tupl
     config_cls: Any = Qwen2_5OmniThinkerConfig
     thinker = config_cls(
         text_config=dict(
-            vocab_size=_round_vocab(tok_len), hidden_size=s["hidden"], intermediate_size=s["inter"],
+            vocab_size=round_vocab(tok_len), hidden_size=s["hidden"], intermediate_size=s["inter"],
             num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
             max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
             initializer_range=0.1,
@@ -131,15 +116,15 @@ def _omni_build(size: str, ids: dict[str, int], tok_len: int, seed: int) -> tupl
 
 
 def _omni_hub_name(name: str) -> str:
-    for local, hub in (
-        ("model.language_model.", "thinker.model."),
-        ("model.visual.", "thinker.visual."),
-        ("model.audio_tower.", "thinker.audio_tower."),
-        ("lm_head.", "thinker.lm_head."),
-    ):
-        if name.startswith(local):
-            return hub + name[len(local) :]
-    raise KeyError(name)
+    return rename_prefix(
+        name,
+        (
+            ("model.language_model.", "thinker.model."),
+            ("model.visual.", "thinker.visual."),
+            ("model.audio_tower.", "thinker.audio_tower."),
+            ("lm_head.", "thinker.lm_head."),
+        ),
+    )
 
 
 def _omni_files(size: str) -> dict[str, dict[str, Any]]:
@@ -162,4 +147,5 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
         hub_name=_omni_hub_name,
         extra_files=_omni_files,
     ),
+    **vl_specs.SPECS,
 }

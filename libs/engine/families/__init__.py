@@ -14,6 +14,14 @@ def adapter_for(checkpoint: Checkpoint) -> FamilyAdapter:
         from libs.engine.families.qwen2_5_omni import Qwen25OmniAdapter
 
         return Qwen25OmniAdapter(checkpoint)
+    if model_type == "qwen2_5_vl":
+        from libs.engine.families.qwen2_5_vl import Qwen25VLAdapter
+
+        return Qwen25VLAdapter(checkpoint)
+    if model_type == "qwen3_vl":
+        from libs.engine.families.qwen3_vl import Qwen3VLAdapter
+
+        return Qwen3VLAdapter(checkpoint)
     raise CheckpointError(f"unsupported model_type {model_type!r}", field="model_path")
 
 

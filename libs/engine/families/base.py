@@ -30,10 +30,28 @@ class PreparedItem:
 
 @dataclass(frozen=True)
 class PlacedItem:
-    """Where an item's placeholder rows start in the token sequence."""
+    """Where an item's embedding rows sit in the token sequence: `spans` of (position, rows), in row
+    order (one span, or one per video frame when the family puts text between frames)."""
 
     start: int
     layout: ItemLayout
+    spans: tuple[tuple[int, int], ...] = ()
+
+    def row_spans(self) -> tuple[tuple[int, int], ...]:
+        return self.spans or ((self.start, self.layout.placeholder_token_count),)
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """What replaces the chat template's placeholder token for one item.
+
+    `spans` are (offset in `tokens`, rows) where embedding rows go, in row order. `absorb` names
+    token ids the template puts right before / after the placeholder that the expansion replaces
+    (Qwen3-VL video repeats the vision start/end tokens per frame instead)."""
+
+    tokens: list[int]
+    spans: tuple[tuple[int, int], ...]
+    absorb: tuple[int | None, int | None] = (None, None)
 
 
 @dataclass(frozen=True)
@@ -87,10 +105,11 @@ class FamilyAdapter(abc.ABC):
     def content_type(self, modality: Modality) -> str:
         """Content-part type the chat template expects ("image", "video", "audio")."""
 
-    def expand_placeholder(self, layout: ItemLayout, placeholder_id: int) -> tuple[list[int], int]:
-        """Tokens replacing the template's placeholder token, and the offset of the first
-        embedding row within them. Default: `placeholder_token_count` copies of the placeholder."""
-        return [placeholder_id] * layout.placeholder_token_count, 0
+    def expand_placeholder(self, layout: ItemLayout, placeholder_id: int, tokenizer: Any) -> Expansion:
+        """Tokens replacing the template's placeholder token. Default: `placeholder_token_count`
+        copies of the placeholder, all embedding rows."""
+        count = layout.placeholder_token_count
+        return Expansion([placeholder_id] * count, ((0, count),))
 
     # ---- media ----------------------------------------------------------------------------
     @abc.abstractmethod

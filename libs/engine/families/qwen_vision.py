@@ -89,7 +89,12 @@ class QwenVisionPreprocessor:
         t, h, w = (int(x) for x in out["image_grid_thw"][0])
         return out["pixel_values"], ImageLayout(grid_t=t, grid_h=h, grid_w=w)
 
-    def video(self, data: bytes, options: ProcessorOptions, limits: MediaLimits) -> tuple[torch.Tensor, VideoLayout]:
+    def video(
+        self, data: bytes, options: ProcessorOptions, limits: MediaLimits, *, mean_patch_times: bool = False
+    ) -> tuple[torch.Tensor, VideoLayout]:
+        """Pixels and layout of a video. `grid_timestamps_s` holds each temporal patch's first frame
+        time, or with `mean_patch_times` the mean of its first and last frame (the Qwen3-VL prompt
+        timestamps)."""
         lo, hi = self._pixel_bounds(options, self.video_defaults.min_pixels, self.video_defaults.max_pixels, limits)
         fps = options.video_fps if options.video_fps is not None else self.video_defaults.fps
         max_frames = (
@@ -110,7 +115,7 @@ class QwenVisionPreprocessor:
             grid_h=grid_h,
             grid_w=grid_w,
             seconds_per_grid=tp * sampled.frame_interval_s,
-            grid_timestamps_s=tuple(sampled.timestamps_s[i] for i in range(0, len(sampled.frames), tp)),
+            grid_timestamps_s=_patch_times(sampled.timestamps_s, tp, mean_patch_times),
             sampled_frames=len(sampled.frames),
         )
         return pixels, layout
@@ -144,6 +149,11 @@ class QwenVisionPreprocessor:
         return torch.from_numpy(np.ascontiguousarray(flat)), (grid_t, grid_h, grid_w)
 
 
+def _patch_times(times: list[float], tp: int, mean: bool) -> tuple[float, ...]:
+    times = times + [times[-1]] * (-len(times) % tp)
+    return tuple((times[i] + times[i + tp - 1]) / 2 if mean else times[i] for i in range(0, len(times), tp))
+
+
 def vision_position_offsets(
     grid_t: int, grid_h: int, grid_w: int, merge_size: int, t_index: torch.Tensor
 ) -> torch.Tensor:
@@ -155,9 +165,13 @@ def vision_position_offsets(
     return torch.stack([t, h, w])
 
 
-def build_mrope(input_len: int, spans: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, int]:
+def build_mrope(
+    input_len: int, spans: list[tuple[int, torch.Tensor]], *, spatial_advance: bool = False
+) -> tuple[torch.Tensor, int]:
     """Positions [3, input_len]: text advances by one; an item at `start` with offsets [3, n] sits at
-    next_position + offsets, and the text after it resumes at max + 1. Returns (positions, rope_delta)."""
+    next_position + offsets. Text after it resumes at the item's max + 1, or, with `spatial_advance`
+    (transformers-5 Qwen2.5-VL / Qwen3-VL), at next_position + max(merged h, merged w), whatever the
+    temporal extent. Returns (positions, rope_delta = max position + 1 - input_len)."""
     pieces: list[torch.Tensor] = []
     cursor = 0
     next_pos = 0
@@ -167,10 +181,10 @@ def build_mrope(input_len: int, spans: list[tuple[int, torch.Tensor]]) -> tuple[
             next_pos += start - cursor
         placed = offsets + next_pos
         pieces.append(placed)
-        next_pos = int(placed.max()) + 1
+        next_pos = next_pos + int(offsets[1:].max()) + 1 if spatial_advance else int(placed.max()) + 1
         cursor = start + offsets.shape[1]
     if cursor < input_len:
         pieces.append(torch.arange(next_pos, next_pos + input_len - cursor).view(1, -1).expand(3, -1))
-        next_pos += input_len - cursor
     positions = torch.cat(pieces, dim=1).long() if pieces else torch.zeros(3, 0, dtype=torch.long)
-    return positions, next_pos - input_len
+    delta = int(positions.max()) + 1 - input_len if input_len else 0
+    return positions, delta

@@ -75,8 +75,9 @@ class VideoLayout(_message.Message):
     """Number of frames sampled from the source, in frames."""
     @_builtins.property
     def grid_timestamps_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """Start time in the source video of each temporal patch, in seconds; `grid_t` entries
-        (Qwen3-VL timestamps). May be empty when the family does not use them.
+        """Time of each temporal patch in the source video, in seconds; `grid_t` entries. The family
+        decides which instant (Qwen3-VL: the mean of the patch's first and last frame times, as its
+        prompt prints them). May be empty when the family does not use timestamps.
         """
 
     def __init__(
