@@ -1,0 +1,299 @@
+"""Consumer side: turn received `TensorHandle`s into torch tensors in this process's pool.
+
+Called in the consuming process: prefill (embeddings from encoders) and decode (KV from prefill),
+usually from a worker thread (`fetch` blocks; NIXL's `transfer` releases the GIL).
+
+For each NIXL handle, `fetch` / `fetch_many`:
+1. validates it (contract rules, host memory, expected specs, lease not expired) - `BadDescriptor`,
+   `SpecMismatch`, `StaleHandle`, all before touching the network;
+2. makes the producer's agent known (`PeerDirectory`: metadata fetched once per incarnation);
+3. allocates one local slot and posts one READ of all the handle's tensors into it (`fetch_many`
+   posts every handle's READ before waiting on any);
+4. waits with a deadline of ours (NIXL has none; also capped by the lease's expiry). On timeout
+   the READ is cancelled and the slot quarantined (a late write may still land) -
+   `TransferTimeout`; a dead peer is `PeerUnavailable`; a region outside the producer's registered
+   memory is `DescriptorOutOfBounds`;
+5. verifies checksums when present, notifies the producer (message: the lease id), and returns
+   `ReceivedTensors` whose tensors view the slot without a copy.
+
+The caller releases each `ReceivedTensors` (context manager or `release()`) once it no longer
+needs the tensors; until then the slot stays out of the pool. INLINE handles go through the same
+calls; their bytes are copied once out of the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from libs.contract.epd.v1 import tensor_pb2
+from libs.transfer.agent import PendingRead, Range, ReadState, TransferAgent
+from libs.transfer.errors import (
+    DescriptorOutOfBounds,
+    InlineTooLarge,
+    PeerUnavailable,
+    StaleHandle,
+    TransferError,
+    TransferTimeout,
+)
+from libs.transfer.handles import (
+    ExpectedTensor,
+    check_expected,
+    packed_offsets,
+    seconds_left,
+    validate_handle,
+    verify_checksum,
+    view_tensor,
+)
+from libs.transfer.peers import MetadataResolver, PeerDirectory
+from libs.transfer.pool import MemoryPool, Slot
+
+Expectation = Mapping[str, ExpectedTensor]
+
+# Polling a running READ: yield-spin for a short while (most READs finish within it; a sleep would
+# add its own wake-up latency), then sleep, growing up to a bound, so a long wait does not burn a core.
+_SPIN_S = 0.001
+_FIRST_SLEEP_S = 0.0001
+_MAX_SLEEP_S = 0.001
+
+
+class ReceivedTensors:
+    """Tensors of one handle, viewing this process's memory. Release when done with them."""
+
+    def __init__(
+        self,
+        lease_id: str,
+        tensors: dict[str, torch.Tensor],
+        *,
+        pool: MemoryPool | None = None,
+        slot: Slot | None = None,
+        poison: bool = False,
+    ) -> None:
+        self.lease_id = lease_id
+        self.tensors = tensors
+        self._pool = pool
+        self._slot = slot
+        self._poison = poison
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def release(self) -> None:
+        """Give the slot back to the pool; the tensors must not be used afterwards. Idempotent."""
+        if self._pool is not None and self._slot is not None:
+            pool, slot = self._pool, self._slot
+            self._pool = self._slot = None
+            pool.free(slot, poison=self._poison)
+
+    def __enter__(self) -> ReceivedTensors:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+@dataclasses.dataclass
+class _Job:
+    """One NIXL handle on its way in."""
+
+    handle: tensor_pb2.TensorHandle
+    offsets: list[int]
+    deadline: float
+    peer: str = ""
+    slot: Slot | None = None
+    read: PendingRead | None = None
+    outcome: str = ""  # DONE, ERR or TIMEOUT once settled
+
+
+class TensorConsumer:
+    """Fetches tensors from producers' pools into this process's pool. One per process (agent)."""
+
+    def __init__(self, agent: TransferAgent, resolve_metadata: MetadataResolver) -> None:
+        self.agent = agent
+        self.peers = PeerDirectory(agent, resolve_metadata)
+
+    def fetch(
+        self,
+        handle: tensor_pb2.TensorHandle,
+        *,
+        expected: Expectation | None = None,
+        timeout_s: float | None = None,
+    ) -> ReceivedTensors:
+        return self.fetch_many([handle], expected=[expected], timeout_s=timeout_s)[0]
+
+    def fetch_many(
+        self,
+        handles: Sequence[tensor_pb2.TensorHandle],
+        *,
+        expected: Sequence[Expectation | None] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[ReceivedTensors]:
+        """Fetch every handle, READs in flight together; all or nothing (on error, every slot
+        taken here is released or quarantined and the first error is raised)."""
+        if expected is not None and len(expected) != len(handles):
+            raise ValueError("expected must have one entry per handle")
+        timeout = self.agent.config.transfer_timeout_s if timeout_s is None else timeout_s
+        start = time.monotonic()
+        for i, handle in enumerate(handles):
+            validate_handle(handle)
+            if expected is not None and expected[i] is not None:
+                check_expected(handle, expected[i])  # type: ignore[arg-type]
+        results: list[ReceivedTensors | None] = [None] * len(handles)
+        jobs: dict[int, _Job] = {}
+        try:
+            for i, handle in enumerate(handles):
+                if handle.transport == tensor_pb2.TRANSPORT_KIND_INLINE:
+                    results[i] = self._take_inline(handle)
+                else:
+                    jobs[i] = self._prepare(handle, start + timeout)
+                    self._post(jobs[i])
+            self._wait(list(jobs.values()))
+            errors: list[TransferError] = []
+            for i, job in jobs.items():
+                try:  # finish (and ack) every READ that completed, even when another failed
+                    results[i] = self._finish(job)
+                except TransferError as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+        except BaseException:
+            for job in jobs.values():
+                self._abandon(job)
+            for result in results:
+                if result is not None:
+                    result.release()
+            raise
+        return [r for r in results if r is not None]
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    def _prepare(self, handle: tensor_pb2.TensorHandle, deadline: float) -> _Job:
+        left = seconds_left(handle.lease_expire_time)
+        if left < self.agent.config.min_lease_remaining_s:
+            raise StaleHandle(f"lease {handle.lease_id} expired {max(-left, 0.0):.3f} s ago (or is about to)")
+        offsets, _ = packed_offsets([desc.spec.nbytes for desc in handle.tensors])
+        # Never read past the lease: after expiry the producer may reuse the memory.
+        return _Job(handle=handle, offsets=offsets, deadline=min(deadline, time.monotonic() + left))
+
+    def _post(self, job: _Job) -> None:
+        handle = job.handle
+        job.peer = self.peers.ensure(handle.agent)
+        _, total = packed_offsets([desc.spec.nbytes for desc in handle.tensors])
+        job.slot = self.agent.pool.allocate(total)
+        local: list[Range] = []
+        remote: list[Range] = []
+        for desc, offset in zip(handle.tensors, job.offsets, strict=True):
+            address = job.slot.address + offset
+            for region in desc.regions:
+                local.append((address, region.length))
+                remote.append((region.address, region.length))
+                address += region.length
+        if not remote:  # only empty tensors: nothing to move
+            job.outcome = ReadState.DONE
+            return
+        try:
+            job.read = self.agent.start_read(job.peer, local, remote)
+        except LookupError as exc:
+            if not self.agent.knows_peer(job.peer):
+                self.peers.forget(job.peer)
+                raise PeerUnavailable(f"agent {job.peer} is unknown to NIXL: {exc}") from exc
+            raise DescriptorOutOfBounds(
+                f"handle {handle.lease_id}: a region is outside the registered memory of agent {job.peer}",
+                field="handle.tensors.regions",
+            ) from exc
+        except PeerUnavailable:
+            self.peers.forget(job.peer)
+            raise
+
+    def _wait(self, jobs: list[_Job]) -> None:
+        pending = [job for job in jobs if not job.outcome]
+        spin_until = time.monotonic() + _SPIN_S
+        sleep_s = _FIRST_SLEEP_S
+        while pending:
+            still = []
+            now = time.monotonic()
+            for job in pending:
+                assert job.read is not None
+                state = self.agent.poll(job.read)
+                if state != ReadState.IN_PROGRESS:
+                    job.outcome = state
+                elif now >= job.deadline:
+                    job.outcome = "TIMEOUT"
+                else:
+                    still.append(job)
+            pending = still
+            if not pending:
+                break
+            if now < spin_until:
+                time.sleep(0)
+            else:
+                time.sleep(sleep_s)
+                sleep_s = min(_MAX_SLEEP_S, sleep_s * 2)
+
+    def _finish(self, job: _Job) -> ReceivedTensors:
+        assert job.slot is not None
+        if job.read is not None:
+            self.agent.cancel(job.read)
+        handle = job.handle
+        if job.outcome == "TIMEOUT":
+            raise TransferTimeout(
+                f"READ of lease {handle.lease_id} from agent {job.peer} did not complete before its deadline; "
+                "cancelled, local slot quarantined"
+            )
+        if job.outcome != ReadState.DONE:
+            self.peers.forget(job.peer)
+            raise PeerUnavailable(f"READ of lease {handle.lease_id} from agent {job.peer} failed (peer gone?)")
+        pool = self.agent.pool
+        tensors = {}
+        try:
+            for desc, offset in zip(handle.tensors, job.offsets, strict=True):
+                start = job.slot.offset + offset
+                if self.agent.config.verify_checksum and desc.HasField("checksum"):
+                    verify_checksum(desc.name, desc.checksum, pool.view(job.slot)[offset : offset + desc.spec.nbytes])
+                tensors[desc.name] = view_tensor(pool.buffer, start, desc.spec)
+        finally:
+            # We will not read this lease again, whatever the verification said: let it go.
+            self.agent.notify(job.peer, handle.lease_id.encode())
+        received = ReceivedTensors(
+            handle.lease_id, tensors, pool=pool, slot=job.slot, poison=self.agent.config.poison_freed
+        )
+        job.slot = None  # owned by `received` now
+        return received
+
+    def _abandon(self, job: _Job) -> None:
+        """Undo a job that will not be returned: free its slot, or quarantine it if a READ may
+        still be writing into it."""
+        if job.slot is None:
+            return
+        slot, job.slot = job.slot, None
+        if job.read is not None and not job.outcome and not self.agent.closed:
+            job.outcome = self.agent.poll(job.read)  # most READs are done by now: no quarantine then
+        if job.read is None or job.outcome in (ReadState.DONE, ReadState.ERROR):
+            if job.read is not None:
+                self.agent.cancel(job.read)
+            self.agent.pool.free(slot, poison=self.agent.config.poison_freed)
+            return
+        released = self.agent.cancel(job.read)  # running or timed out: cancel, then quarantine
+        self.agent.quarantine(slot, None if released else job.read)
+
+    def _take_inline(self, handle: tensor_pb2.TensorHandle) -> ReceivedTensors:
+        payload = sum(desc.spec.nbytes for desc in handle.tensors)
+        limit = self.agent.config.inline_max_bytes
+        if payload > limit:
+            raise InlineTooLarge(f"inline handle {handle.lease_id} carries {payload} bytes; the bound is {limit}")
+        offsets, total = packed_offsets([desc.spec.nbytes for desc in handle.tensors])
+        data = bytearray(total)  # the one copy: protobuf bytes are immutable
+        tensors = {}
+        for desc, offset in zip(handle.tensors, offsets, strict=True):
+            data[offset : offset + desc.spec.nbytes] = desc.inline_data
+            if self.agent.config.verify_checksum and desc.HasField("checksum"):
+                verify_checksum(desc.name, desc.checksum, desc.inline_data)
+            tensors[desc.name] = view_tensor(data, offset, desc.spec)
+        return ReceivedTensors(handle.lease_id, tensors)
