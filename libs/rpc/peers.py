@@ -31,14 +31,14 @@ def check_peer(
     info: service_info_pb2.ServiceInfo,
     address: str,
     *,
-    roles: Iterable[int],
+    roles: Iterable[int] | None,
     model: service_info_pb2.ModelIdentity | None = None,
 ) -> None:
-    """Raise FailedPrecondition when the peer at `address` cannot serve us."""
+    """Raise FailedPrecondition when the peer at `address` cannot serve us (`roles` None: any role)."""
     problem = version.incompatibility(info.contract_version)
     if problem:
         raise FailedPrecondition(f"peer {address}: {problem}")
-    allowed = set(roles)
+    allowed = set(roles) if roles is not None else {info.role}
     if info.role not in allowed:
         names = ", ".join(sorted(service_info_pb2.ServiceRole.Name(r) for r in allowed))  # type: ignore[arg-type]
         raise FailedPrecondition(
@@ -74,11 +74,11 @@ class PeerDirectory:
     def __init__(
         self,
         *,
-        roles: Iterable[int],
+        roles: Iterable[int] | None = None,
         model: service_info_pb2.ModelIdentity | None = None,
         timeout_s: float = 5.0,
     ) -> None:
-        self._roles = tuple(roles)
+        self._roles = tuple(roles) if roles is not None else None
         self._model = model
         self._timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}

@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,7 @@ from libs.contract.epd.v1 import (
     prefill_pb2,
     tensor_pb2,
 )
-from libs.contract.errors import DeadlineExceeded, EpdError, InvalidArgument, Unavailable
+from libs.contract.errors import DeadlineExceeded, EpdError, FailedPrecondition, InvalidArgument, Unavailable
 from libs.contract.validation import Limits, validate_generate_request
 
 _log = structlog.get_logger(__name__)
@@ -67,6 +67,8 @@ class Backends:
     prefill: Any = None  # PrefillServiceStub (E/P/D)
     decode: Any = None  # DecodeServiceStub (E/P/D)
     prefill_decode: Any = None  # PrefillDecodeServiceStub (E+PD)
+    # First-contact check of an encoder (address, instance id or None); raises FailedPrecondition.
+    check_encoder: Callable[[str, str | None], Awaitable[None]] | None = None
 
 
 class EncoderPool:
@@ -193,12 +195,23 @@ class Router:
             accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
         )
         tried: set[str] = set()
+        check = self._backends.check_encoder
         while True:
             address = self._encoders.pick(exclude=tried)
             tried.add(address)
             self._encoders.outstanding[address] += 1
             try:
+                if check is not None:
+                    await check(address, None)
                 reply = await self._backends.encoder(address).Encode(job, timeout=_remaining(deadline))
+            except FailedPrecondition:
+                if len(tried) < len(self._encoders.outstanding):
+                    continue  # an incompatible encoder: try a compatible one
+                raise
+            except Unavailable:
+                if len(tried) < 2 and len(tried) < len(self._encoders.outstanding):
+                    continue  # unreachable at first contact: one retry elsewhere, as for Encode
+                raise
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _RETRYABLE_ENCODE and len(tried) < 2 and len(tried) < len(self._encoders.outstanding):
                     _log.warning("encoder failed; retrying elsewhere", encoder=address, code=exc.code().name)
@@ -213,6 +226,12 @@ class Router:
             if len(reply.items) != 1 or reply.items[0].layout.item_index != index:
                 raise RpcFailed("encode", grpc.StatusCode.INTERNAL, f"encoder {address} answered for other items")
             encoded: layout_pb2.EncodedMedia = reply.items[0]
+            if check is not None and encoded.embeddings.agent.instance_id:
+                try:  # the encoder may have restarted since we checked it
+                    await check(address, encoded.embeddings.agent.instance_id)
+                except FailedPrecondition:
+                    await self._release_one(address, encoded.embeddings.lease_id)
+                    raise
             return encoded
 
     async def _prefill_and_decode(
@@ -264,6 +283,11 @@ class Router:
                 yield reply.chunk, (reply.usage if reply.HasField("usage") else None)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error("decode", exc) from None
+
+    async def _release_one(self, address: str, lease_id: str) -> None:
+        held = RequestState("")
+        held.leases[address] = {lease_id}
+        await self._release_all(held)
 
     async def _release_all(self, state: RequestState) -> None:
         held, state.leases = state.leases, {}

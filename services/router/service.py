@@ -24,6 +24,7 @@ from libs.rpc.main import ServiceParts, service_main
 from libs.rpc.peers import PeerDirectory
 from libs.telemetry import bind_request
 from services.router.core import Backends, EncoderPool, Router
+from services.router.handshake import BackendChecks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     """Wire the router from settings; channels to every backend are shared through one directory."""
     if not settings.encoders:
         raise SystemExit("router: --encoders is required")
-    peers = PeerDirectory(roles=[])
+    peers = PeerDirectory()  # roles are checked per backend by BackendChecks
     encoder = lambda a: encoder_pb2_grpc.EncoderServiceStub(peers.channel(a))  # noqa: E731
     lease = lambda a: lease_pb2_grpc.LeaseServiceStub(peers.channel(a))  # noqa: E731
     if settings.layout == "e/p/d":
@@ -79,6 +80,12 @@ async def setup(settings: RouterSettings) -> ServiceParts:
             lease=lease,
             prefill_decode=prefill_decode_pb2_grpc.PrefillDecodeServiceStub(peers.channel(settings.pd)),
         )
+    checks = BackendChecks(
+        peers,
+        prefill=settings.prefill if settings.layout == "e/p/d" else settings.pd,
+        decode=settings.decode if settings.layout == "e/p/d" else None,
+    )
+    backends.check_encoder = checks.encoder
     router = Router(backends, EncoderPool(settings.encoders))
     info = service_info_pb2.ServiceInfo(
         contract_version=version.current(),

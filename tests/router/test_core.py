@@ -22,7 +22,7 @@ from libs.contract.epd.v1 import (
     prefill_decode_pb2,
     prefill_pb2,
 )
-from libs.contract.errors import InvalidArgument
+from libs.contract.errors import FailedPrecondition, InvalidArgument
 from services.router.core import Backends, EncoderPool, Router, RpcFailed
 from tests.contract import samples
 
@@ -270,3 +270,25 @@ def test_invalid_client_request_is_rejected_before_any_work() -> None:
     with pytest.raises(InvalidArgument, match=r"sampling\.top_p"):
         asyncio.run(h.tokens(request))
     assert h.log == []
+
+
+def test_incompatible_encoder_is_skipped_at_first_contact() -> None:
+    h = Harness()
+    checked: list[tuple[str, str | None]] = []
+
+    async def check(address: str, instance_id: str | None) -> None:
+        checked.append((address, instance_id))
+        if address == "enc0":
+            raise FailedPrecondition("peer enc0 serves other-model; this service serves tiny")
+
+    h.router._backends.check_encoder = check
+    assert asyncio.run(h.tokens(_request(2))) == [7, 8, 9]
+    assert {a for a, _ in h.log} == {"enc1"}  # enc0 never computed anything
+    assert ("enc0", None) in checked
+
+    async def refuse(address: str, instance_id: str | None) -> None:
+        raise FailedPrecondition(f"peer {address} is incompatible")
+
+    h.router._backends.check_encoder = refuse
+    with pytest.raises(FailedPrecondition, match="incompatible"):
+        asyncio.run(h.tokens(_request(1)))

@@ -27,7 +27,9 @@ from libs.contract.epd.v1 import (
     tensor_pb2,
 )
 from libs.contract.grpc_status import ERROR_FIELD_METADATA_KEY
+from libs.engine.checkpoints import ensure_checkpoint
 from libs.engine.media import synthetic
+from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack, StackSpec
 from tests.services.conftest import MIXES, run_requests, wait_pools_empty
 from tests.services.golden import request_for
@@ -150,6 +152,62 @@ def test_stale_embedding_handle_fails_cleanly_at_prefill(stacks: Callable[[str],
     (result,) = run_requests(stack.address, [request_for(MIXES["image"])])
     assert result.token_ids
     wait_pools_empty(stack)
+
+
+@pytest.mark.timeout(180)
+def test_encoder_of_another_model_is_refused_at_first_contact(stacks: Callable[[str], Stack], tmp_path: Path) -> None:
+    stack = stacks("e/p/d")
+    other = ServiceProcess(
+        "vl-encoder",
+        "services.encoder",
+        ["--model", str(ensure_checkpoint("qwen2_5_vl", "tiny"))],
+        log_path=tmp_path / "vl-encoder.log",
+    )
+    other.start()
+    router = None
+    try:
+        other.wait_ready(120)
+        router = ServiceProcess(
+            "router",
+            "services.router",
+            [
+                "--encoders", other.address,
+                "--prefill", stack.processes["prefill"].address,
+                "--decode", stack.processes["decode"].address,
+            ],
+            log_path=tmp_path / "router.log",
+        )  # fmt: skip
+        router.start()
+        router.wait_ready(60)
+        image = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(60, 90, seed=1))
+        received, code = asyncio.run(
+            _stream_until(router.address, build_request("what", [image]), timeout_s=30, cancel_after=None)
+        )
+        assert (received, code) == (0, grpc.StatusCode.FAILED_PRECONDITION)
+        error = _last_error(router.address)
+        assert error.startswith("FAILED_PRECONDITION: peer ") and "serves qwen2_5_vl-tiny@local" in error
+        assert "this service serves qwen2_5_omni-tiny@local" in error
+        # Text-only requests never touch an encoder and still work through this router.
+        (result,) = run_requests(router.address, [build_request("hello there")])
+        assert result.token_ids
+    finally:
+        if router is not None:
+            router.stop()
+        other.stop()
+    wait_pools_empty(stack)
+
+
+def _last_error(address: str) -> str:
+    image = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(60, 90, seed=1))
+    with grpc.insecure_channel(address) as channel:
+        try:
+            for _ in generate_pb2_grpc.GenerateServiceStub(channel).Generate(
+                build_request("what", [image]), timeout=30
+            ):
+                pass
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+    return "OK"
 
 
 @pytest.fixture(scope="module")
