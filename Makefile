@@ -7,22 +7,25 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.deps-installed
+INSTALL_LOG := $(VENV)/install.log
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 # Installed apart with --no-deps: its metadata would pull a CUDA torch and ~2.8 GB of CUDA wheels.
 NIXL := nixl-cu12==1.5.1
 SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 
-.PHONY: help deps proto proto-check lint test run clean models bench-engine
+.PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
-$(STAMP): requirements.lock Makefile
+$(STAMP): requirements.lock pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "EPD needs Python 3.11 (the CPU torch wheel is cp311); set PYTHON=")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock 2>&1 | grep -v "is ignored: it is neither" || true
-	@$(PY) -c 'import torch, grpc, google.protobuf' || (echo "dependency install failed" >&2; exit 1)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(NIXL) 2>&1 | grep -v "is ignored: it is neither" || true
-	@$(PY) -c 'from nixl_cu12._api import nixl_agent' || (echo "nixl install failed" >&2; exit 1)
+	@echo "installing pinned dependencies into $(VENV) (log: $(INSTALL_LOG))"
+	@$(PIP) -r requirements.lock > $(INSTALL_LOG) 2>&1 || (tail -30 $(INSTALL_LOG); exit 1)
+	@$(PIP) --no-deps $(NIXL) >> $(INSTALL_LOG) 2>&1 || (tail -30 $(INSTALL_LOG); exit 1)
+	@$(PIP) --no-deps --no-build-isolation -e . >> $(INSTALL_LOG) 2>&1 || (tail -30 $(INSTALL_LOG); exit 1)
+	@$(PY) -c 'import torch, grpc, google.protobuf; from nixl_cu12._api import nixl_agent' || (echo "dependency check failed; see $(INSTALL_LOG)" >&2; exit 1)
 	@touch $@
 
 deps: $(STAMP) ## create .venv and install the pinned dependencies
@@ -45,11 +48,8 @@ lint: deps ## ruff, mypy (strict) and the import layering contracts
 test: deps proto-check lint ## the whole suite (what CI runs)
 	$(PY) -m pytest
 
-run: deps ## the main job: the whole stack on loopback (lands with the services issue)
-	@echo "make run: the E/P/D stack is not implemented yet (the services issue builds it)." >&2
-	@echo "What exists today: the epd.v1 contract, its validation, and the shared bootstraps;" >&2
-	@echo "run 'make test' to exercise them." >&2
-	@exit 2
+run: deps models ## the main job: E/P/D stack (2 encoders) on loopback, sample requests, timings, clean stop
+	$(BIN)/epd demo --layout e/p/d --encoders 2
 
 MODEL_DIR := var/models/qwen2_5_omni-tiny
 
@@ -59,7 +59,10 @@ $(MODEL_DIR)/config.json: | $(STAMP)
 models: $(MODEL_DIR)/config.json ## generate the tiny Qwen2.5-Omni checkpoint (seeded; no download)
 
 bench-engine: deps ## CPU time per engine stage, tiny and ~100M checkpoints (not part of make test)
-	$(PY) tests/benchmarks/bench_engine.py --family qwen2_5_omni --sizes tiny small
+	$(PY) tests/benchmarks/bench_engine.py --sizes tiny small
+
+bench-transfer: deps ## NIXL vs memcpy vs inline gRPC throughput, 64 KiB latency (not part of make test)
+	$(PY) tests/benchmarks/bench_transfer.py
 
 clean: ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

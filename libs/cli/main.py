@@ -91,9 +91,14 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if not address:
         print("epd generate: no --address and no running `epd up` stack found", file=sys.stderr)
         return 2
-    media = [media_from_file(p, media_pb2.MODALITY_IMAGE) for p in ns.image or []]
-    media += [media_from_file(p, media_pb2.MODALITY_VIDEO) for p in ns.video or []]
-    media += [media_from_file(p, media_pb2.MODALITY_AUDIO) for p in ns.audio or []]
+    files = [(p, media_pb2.MODALITY_IMAGE) for p in ns.image or []]
+    files += [(p, media_pb2.MODALITY_VIDEO) for p in ns.video or []]
+    files += [(p, media_pb2.MODALITY_AUDIO) for p in ns.audio or []]
+    missing = [str(p) for p, _ in files if not p.is_file()]
+    if missing:
+        print(f"epd generate: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    media = [media_from_file(p, modality) for p, modality in files]
     request = build_request(ns.prompt, media, sampling=_sampling(ns))
 
     async def run() -> int:

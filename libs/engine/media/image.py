@@ -30,5 +30,7 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise MediaLimitError(f"image too large: {exc}", field="media.data") from exc
+    except Image.UnidentifiedImageError as exc:
+        raise InvalidMediaError("not an image in a format this server decodes", field="media.data") from exc
     except Exception as exc:  # Pillow raises many types for corrupt input
         raise InvalidMediaError(f"cannot decode image: {exc}", field="media.data") from exc
