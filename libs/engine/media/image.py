@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import warnings
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from libs.engine.errors import InvalidMediaError, MediaLimitError
 from libs.engine.media.limits import MediaLimits
@@ -30,7 +30,7 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise MediaLimitError(f"image too large: {exc}", field="media.data") from exc
-    except Image.UnidentifiedImageError as exc:
+    except UnidentifiedImageError as exc:
         raise InvalidMediaError("not an image in a format this server decodes", field="media.data") from exc
     except Exception as exc:  # Pillow raises many types for corrupt input
         raise InvalidMediaError(f"cannot decode image: {exc}", field="media.data") from exc
