@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
@@ -34,7 +35,12 @@ async def _send_all(address: str) -> list[tuple[str, GenerationResult | str]]:
     out: list[tuple[str, GenerationResult | str]] = []
     async with open_channel(address) as channel:
         for name, media, prompt in sample_requests():
-            request = build_request(prompt, media, sampling=sampling_pb2.SamplingParams(max_tokens=16))
+            request = build_request(
+                prompt,
+                media,
+                sampling=sampling_pb2.SamplingParams(max_tokens=16),
+                request_id=f"demo-{name.replace('+', '-')}",
+            )
             try:
                 out.append((name, await generate(channel, request, timeout_s=60)))
             except grpc.aio.AioRpcError as exc:
@@ -42,7 +48,11 @@ async def _send_all(address: str) -> list[tuple[str, GenerationResult | str]]:
     return out
 
 
-def run_demo(spec: StackSpec) -> int:
+def run_demo(spec: StackSpec, trace_file: Path | None = None) -> int:
+    """Run the demo; with `trace_file` (a fresh JSONL span file), print the latency attribution of
+    its requests and draw the slowest one's waterfall next to it."""
+    if trace_file is not None:
+        trace_file.unlink(missing_ok=True)
     started = time.perf_counter()
     stack = Stack(spec)
     encoders = "" if spec.layout == "colocated" else f" with {spec.encoders} encoders"
@@ -67,6 +77,27 @@ def run_demo(spec: StackSpec) -> int:
                 f"{result.inter_token_s * 1e3:>8.2f}  {result.text!r}"
             )
     finally:
-        statuses = stack.down()
+        statuses = stack.down()  # services flush their spans on the way out
         print(f"\nstopped: {statuses}; logs in {spec.run_dir}", flush=True)
+    if trace_file is not None and trace_file.exists():
+        _report(trace_file)
     return 1 if failures else 0
+
+
+def _report(trace_file: Path) -> None:
+    from libs.telemetry.report import breakdowns, render_text
+    from libs.telemetry.spans import by_trace, load_jsonl
+    from libs.telemetry.waterfall import render
+
+    spans = load_jsonl(trace_file)
+    items = breakdowns(spans)
+    print(f"\ntraces: {trace_file} ({len(spans)} spans); `epd trace report` prints this again\n")
+    print(render_text(items), end="")
+    if items:
+        slowest = max(items, key=lambda b: b.ttft_s)
+        for suffix in (".html", ".png"):
+            out = trace_file.with_name("waterfall" + suffix)
+            render(by_trace(spans)[slowest.trace_id], out)
+        print(
+            f"waterfall of the slowest request ({slowest.request_id}): {trace_file.with_name('waterfall.html')} (.png)"
+        )

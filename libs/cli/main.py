@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 import threading
@@ -40,12 +41,19 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encoders", type=int, default=2, help="encoder processes (default 2)")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory")
     parser.add_argument("--run-dir", type=Path, default=Path("var/run/stack"), help="service logs go here")
-    parser.add_argument("--trace-exporter", choices=("none", "jsonl", "otlp", "console"), default="none")
-    parser.add_argument("--trace-file", type=Path, default=Path("var/traces/spans.jsonl"))
+    parser.add_argument(
+        "--trace-exporter", choices=("none", "jsonl", "otlp"), default="jsonl", help="where services send spans"
+    )
+    parser.add_argument("--trace-file", type=Path, default=Path("var/traces/spans.jsonl"), help="for jsonl")
+    parser.add_argument("--otlp-endpoint", default="127.0.0.1:4317", help="collector address, for otlp")
 
 
 def _spec(ns: argparse.Namespace) -> StackSpec:
-    env = {"EPD_TRACE_EXPORTER": ns.trace_exporter, "EPD_TRACE_FILE": str(ns.trace_file.resolve())}
+    env = {
+        "EPD_TRACE_EXPORTER": ns.trace_exporter,
+        "EPD_TRACE_FILE": str(ns.trace_file.resolve()),
+        "EPD_OTLP_ENDPOINT": ns.otlp_endpoint,
+    }
     return StackSpec(layout=ns.layout, encoders=ns.encoders, model=ensure_model(ns.model), run_dir=ns.run_dir, env=env)
 
 
@@ -126,7 +134,45 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_demo(ns: argparse.Namespace) -> int:
     from libs.cli.demo import run_demo
 
-    return run_demo(_spec(ns))
+    return run_demo(_spec(ns), trace_file=ns.trace_file if ns.trace_exporter == "jsonl" else None)
+
+
+def cmd_trace_report(ns: argparse.Namespace) -> int:
+    from libs.telemetry.report import breakdowns, render_text
+    from libs.telemetry.spans import OtlpReceiver, SpanRecord, by_trace, load_jsonl
+    from libs.telemetry.waterfall import render
+
+    spans: list[SpanRecord]
+    if ns.otlp_listen:
+        receiver = OtlpReceiver(ns.otlp_listen).start()
+        print(f"OTLP/gRPC receiver on {receiver.address}; collecting for {ns.duration:.0f} s (Ctrl-C ends early)")
+        with contextlib.suppress(KeyboardInterrupt):
+            threading.Event().wait(ns.duration)
+        receiver.stop()
+        spans = receiver.snapshot()
+    else:
+        if not ns.file.exists():
+            print(f"epd trace report: no span file at {ns.file}", file=sys.stderr)
+            return 2
+        spans = load_jsonl(ns.file)
+    items = breakdowns(spans)
+    print(render_text(items), end="")
+    if ns.waterfall:
+        traces = by_trace(spans)
+        if ns.waterfall in ("first", "slowest"):
+            if not items:
+                print("epd trace report: no request trace to draw", file=sys.stderr)
+                return 1
+            chosen = items[0] if ns.waterfall == "first" else max(items, key=lambda b: b.ttft_s)
+            trace_id = chosen.trace_id
+        else:
+            trace_id = ns.waterfall
+        if trace_id not in traces:
+            print(f"epd trace report: no trace {trace_id}", file=sys.stderr)
+            return 1
+        render(traces[trace_id], ns.out)
+        print(f"waterfall of trace {trace_id}: {ns.out}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop sequence (repeatable)")
     gen.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
     gen.set_defaults(func=cmd_generate)
+
+    trace = sub.add_parser("trace", help="trace tools").add_subparsers(dest="trace_command", required=True)
+    report = trace.add_parser("report", help="split time to first token by stage, per request and p50/p90/p99")
+    report.add_argument("--file", type=Path, default=Path("var/traces/spans.jsonl"), help="JSONL span file")
+    report.add_argument("--otlp-listen", default="", help="instead: run an OTLP/gRPC receiver on HOST:PORT")
+    report.add_argument("--duration", type=float, default=60.0, help="seconds the receiver collects")
+    report.add_argument("--waterfall", default="", help="draw one trace: a trace id, 'first' or 'slowest'")
+    report.add_argument("--out", type=Path, default=Path("var/traces/waterfall.html"), help=".html or .png")
+    report.set_defaults(func=cmd_trace_report)
 
     demo = sub.add_parser("demo", help="start a stack, send sample requests, print outputs and timings, stop")
     _stack_args(demo)

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 
 from libs.contract.epd.v1 import chat_pb2, generate_pb2, generate_pb2_grpc, generation_pb2, media_pb2, sampling_pb2
-from libs.rpc.server import channel_options
+from libs.rpc import server as rpc_server
 
 _MODALITY_BY_TYPE = {
     "image": media_pb2.MODALITY_IMAGE,
@@ -100,5 +100,5 @@ async def generate(
 
 
 def open_channel(address: str) -> grpc.aio.Channel:
-    """A channel to the router with EPD's message-size bounds."""
-    return grpc.aio.insecure_channel(address, options=channel_options())
+    """A channel to the router with EPD's message-size bounds (and trace context propagation)."""
+    return rpc_server.open_channel(address)

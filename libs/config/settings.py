@@ -49,6 +49,7 @@ class CommonSettings:
     )
     trace_file: Path = setting(Path("var/traces/spans.jsonl"), "JSONL span file (trace_exporter=jsonl)")
     otlp_endpoint: str = setting("127.0.0.1:4317", "OTLP/gRPC collector address (trace_exporter=otlp)")
+    metrics_port: int = setting(0, "serve Prometheus /metrics on 127.0.0.1:PORT; 0 disables it")
 
 
 def env_name(field: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
@@ -57,15 +58,20 @@ class EncoderRunner:
         )
         return EmbeddingSpec(modality, int(item.embeddings.shape[1]), dtype_name(item.embeddings.dtype), extras)
 
-    def encode(self, items: list[MediaInput]) -> list[EncodedItem]:
+    def encode(self, items: list[MediaInput], timings: dict[str, int] | None = None) -> list[EncodedItem]:
         """Encode items (any mix of modalities); results in input order. Items of one modality go
-        through their tower in a single forward."""
+        through their tower in a single forward. `timings`, when given, receives wall-clock
+        instants (ns since the epoch) `start`, `preprocessed` and `end`, for tracing."""
+        if timings is not None:
+            timings["start"] = time.time_ns()
         for i, media in enumerate(items):
             if media.modality not in self.adapter.modalities:
                 raise UnsupportedModalityError(
                     f"model has no {media.modality.value} encoder", field=f"items[{i}].media.modality"
                 )
         prepared = [self.adapter.preprocess(m, media_hash(m), self.limits) for m in items]
+        if timings is not None:
+            timings["preprocessed"] = time.time_ns()
         by_modality: dict[Modality, list[int]] = defaultdict(list)
         for i, item in enumerate(prepared):
             by_modality[item.layout.modality].append(i)
@@ -79,4 +85,6 @@ class EncoderRunner:
                     if rows != prepared[i].layout.placeholder_token_count:
                         raise EmbeddingMismatchError(f"item {i}: {rows} rows, layout says otherwise")
                     results[i] = EncodedItem(prepared[i].layout, {k: v.clone() for k, v in tensors.items()})
+        if timings is not None:
+            timings["end"] = time.time_ns()
         return [results[i] for i in range(len(items))]

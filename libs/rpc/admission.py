@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from libs.contract.errors import DeadlineExceeded, ResourceExhausted
+from libs.telemetry.stages import stage
 
 
 class Admission:
@@ -38,8 +39,9 @@ class Admission:
             )
         self.waiting += 1
         try:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            await asyncio.wait_for(self._slots.acquire(), timeout)
+            with stage(f"{self.name}.queue", "queue"):
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                await asyncio.wait_for(self._slots.acquire(), timeout)
         except TimeoutError:
             raise DeadlineExceeded(f"deadline passed while waiting for {self.name}") from None
         finally:

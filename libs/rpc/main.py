@@ -15,6 +15,7 @@ from libs.config.settings import main_settings
 from libs.contract.epd.v1 import service_info_pb2
 from libs.rpc.server import EpdServer, ServerOptions
 from libs.telemetry import configure_logging, configure_tracing
+from libs.telemetry.tracing import configure_metrics
 
 S = TypeVar("S", bound=CommonSettings)
 
@@ -53,6 +54,7 @@ def service_main(name: str, settings_cls: type[S], setup: Callable[[S], Awaitabl
     settings = main_settings(settings_cls, prog=f"epd-{name}")
     configure_logging(name, settings.log_level, settings.log_format)
     tracing = configure_tracing(name, "0.1.0", settings.trace_exporter, settings.trace_file, settings.otlp_endpoint)
+    configure_metrics(name, settings.metrics_port)
     log = structlog.get_logger(name)
     log.info("starting", settings={k: str(v) for k, v in dataclasses.asdict(settings).items()})
 

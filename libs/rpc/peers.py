@@ -20,7 +20,7 @@ import grpc
 from libs.contract import version
 from libs.contract.epd.v1 import media_pb2, service_info_pb2, service_info_pb2_grpc, tensor_pb2
 from libs.contract.errors import FailedPrecondition, Unavailable
-from libs.rpc.server import channel_options
+from libs.rpc.server import open_channel
 
 
 def _model(m: service_info_pb2.ModelIdentity) -> str:
@@ -88,7 +88,7 @@ class PeerDirectory:
     def channel(self, address: str) -> grpc.aio.Channel:
         """The (shared) channel to `address`."""
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=channel_options())
+            self._channels[address] = open_channel(address)
         return self._channels[address]
 
     async def info(

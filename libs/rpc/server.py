@@ -25,6 +25,7 @@ from libs.contract import version
 from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
 from libs.contract.grpc_status import ErrorMappingInterceptor
 from libs.contract.validation import validate_get_service_info_request
+from libs.telemetry.propagation import TracingServerInterceptor, client_interceptors
 
 _log = structlog.get_logger(__name__)
 
@@ -51,6 +52,11 @@ def channel_options(max_message_bytes: int = 80 << 20) -> list[tuple[str, Any]]:
     ]
 
 
+def open_channel(address: str) -> grpc.aio.Channel:
+    """An EPD client channel: message bounds, and the trace context on every call."""
+    return grpc.aio.insecure_channel(address, options=channel_options(), interceptors=client_interceptors())
+
+
 class _ServiceInfoServicer(service_info_pb2_grpc.ServiceInfoServiceServicer):
     def __init__(self, info: Callable[[], service_info_pb2.ServiceInfo]) -> None:
         self._info = info
@@ -72,7 +78,8 @@ class EpdServer:
     def __init__(self, options: ServerOptions, info: Callable[[], service_info_pb2.ServiceInfo]) -> None:
         self.options = options
         self._server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor()],
+            # Tracing outermost, so the server span also covers the status mapping.
+            interceptors=[TracingServerInterceptor(), ErrorMappingInterceptor()],
             options=[
                 *channel_options(options.max_message_bytes),
                 ("grpc.so_reuseport", 0),

@@ -12,7 +12,8 @@ from libs.contract.epd.v1 import chat_pb2
 from libs.contract.errors import DeadlineExceeded
 from libs.engine import types as eng
 from libs.serving import convert
-from libs.serving.transport import Transport
+from libs.serving.transport import Transport, transport_name
+from libs.telemetry.stages import record_transfer, stage
 from libs.transfer import ExpectedTensor, ReceivedTensors
 
 
@@ -58,12 +59,23 @@ async def fetch_encoded(
         timeout = deadline - time.monotonic()
         if timeout <= 0:
             raise DeadlineExceeded("deadline passed before the embeddings were read")
-    received = await transport.run(
-        transport.consumer.fetch_many,
-        [p.encoded.embeddings for p in parts],
-        expected=expected,
-        timeout_s=timeout,
-        on_abandon=FetchedItems.release_all,
-    )
+    handles = [p.encoded.embeddings for p in parts]
+    with stage("embeddings.transfer", "transfer") as span:
+        started = time.perf_counter()
+        received = await transport.run(
+            transport.consumer.fetch_many,
+            handles,
+            expected=expected,
+            timeout_s=timeout,
+            on_abandon=FetchedItems.release_all,
+        )
+        record_transfer(
+            span,
+            nbytes=sum(r.nbytes for r in received),
+            seconds=time.perf_counter() - started,
+            transport=transport_name(handles),
+            peers=len({h.agent.producer_address for h in handles}),
+            direction="encoder->prefill",
+        )
     items = [eng.EncodedItem(layout, dict(r.tensors)) for layout, r in zip(layouts, received, strict=True)]
     return FetchedItems(items, received)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 
 from libs.contract.epd.v1 import chat_pb2, generation_pb2
@@ -12,6 +13,7 @@ from libs.serving.convert import chunk_to_wire, engine_errors, messages_to_engin
 from libs.serving.embeddings import FetchedItems, fetch_encoded
 from libs.serving.engine_loop import DecodeLoop, EngineThread
 from libs.serving.transport import Transport
+from libs.telemetry.stages import record_duration, stage, start_phase
 
 Streamed = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
 
@@ -25,15 +27,18 @@ async def run_prefill(
 ) -> eng.PrefillResult:
     """Prefill on the engine thread; the fetched embedding slots go back once the engine is done
     with them - even when the caller is cancelled mid-prefill."""
-    task = asyncio.ensure_future(engine.run(runner.prefill, messages_to_engine(messages, fetched.items), sampling))
-    try:
-        with engine_errors():
-            return await asyncio.shield(task)
-    finally:
-        if task.done():
-            fetched.release()
-        else:
-            task.add_done_callback(lambda _: fetched.release())
+    with stage("prefill.compute", "prefill") as span:
+        task = asyncio.ensure_future(engine.run(runner.prefill, messages_to_engine(messages, fetched.items), sampling))
+        try:
+            with engine_errors():
+                result = await asyncio.shield(task)
+        finally:
+            if task.done():
+                fetched.release()
+            else:
+                task.add_done_callback(lambda _: fetched.release())
+        span.set_attribute("epd.prompt_tokens", result.decode_state.prompt_tokens)
+        return result
 
 
 async def fetch_and_prefill(
@@ -69,10 +74,29 @@ async def decode_stream(
 ) -> AsyncIterator[Streamed]:
     """Decode from `kv` (after `state.generated_tokens` tokens); usage on the last chunk."""
     generated = state.generated_tokens
-    with engine_errors():
-        async for chunk in decode.stream(request_id, kv, state, sampling):
-            generated += len(chunk.token_ids)
-            usage = None
-            if chunk.finish_reason is not None:
-                usage = generation_pb2.Usage(prompt_tokens=state.prompt_tokens, completion_tokens=generated)
-            yield chunk_to_wire(chunk), usage
+    # Not made current: the stream's consumer resumes it from other frames.
+    span = start_phase("decode.generate", **{"epd.stage": "decode"})
+    started = time.perf_counter()
+    first: float | None = None
+    try:
+        with engine_errors():
+            async for chunk in decode.stream(request_id, kv, state, sampling):
+                if first is None and chunk.token_ids:
+                    first = time.perf_counter() - started
+                generated += len(chunk.token_ids)
+                usage = None
+                if chunk.finish_reason is not None:
+                    usage = generation_pb2.Usage(prompt_tokens=state.prompt_tokens, completion_tokens=generated)
+                yield chunk_to_wire(chunk), usage
+    finally:
+        elapsed = time.perf_counter() - started
+        tokens = generated - state.generated_tokens
+        span.set_attributes(
+            {
+                "epd.decode.tokens": tokens,
+                "epd.decode.first_token_s": first or 0.0,
+                "epd.decode.inter_token_s": (elapsed - (first or 0.0)) / (tokens - 1) if tokens > 1 else 0.0,
+            }
+        )
+        span.end()
+        record_duration("decode.generate", "decode", elapsed)

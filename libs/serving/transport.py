@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -46,6 +46,12 @@ def transfer_errors() -> Iterator[None]:
         yield
     except TransferError as exc:
         raise error_for(exc.grpc_code, exc.message, getattr(exc, "field", "") or "handle") from exc
+
+
+def transport_name(handles: Sequence[tensor_pb2.TensorHandle]) -> str:
+    """ "nixl", "inline" or "mixed", for span attributes."""
+    kinds = {tensor_pb2.TransportKind.Name(h.transport).removeprefix("TRANSPORT_KIND_").lower() for h in handles}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
 def transfer_config(settings: ModelServiceSettings, role: str) -> TransferConfig:

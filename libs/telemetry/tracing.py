@@ -99,3 +99,20 @@ def configure_tracing(
     if set_global:
         trace.set_tracer_provider(provider)
     return TracingHandle(provider=provider, instance_id=instance_id)
+
+
+def configure_metrics(service_name: str, prometheus_port: int = 0) -> None:
+    """Install a meter provider; with `prometheus_port` > 0, serve /metrics on 127.0.0.1:port."""
+    from opentelemetry import metrics
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    readers = []
+    if prometheus_port > 0:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import start_http_server
+
+        start_http_server(prometheus_port, addr="127.0.0.1")
+        readers.append(PrometheusMetricReader())
+    metrics.set_meter_provider(
+        MeterProvider(resource=Resource.create({"service.name": service_name}), metric_readers=readers)
+    )

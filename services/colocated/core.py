@@ -15,6 +15,7 @@ from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.prefill_runner import PrefillRunner
 from libs.serving import convert
 from libs.serving.embeddings import FetchedItems
+from libs.serving.encoding import encode_items
 from libs.serving.engine_loop import DecodeLoop, EngineThread
 from libs.serving.generation import run_prefill, stream_after_prefill
 from libs.serving.media_source import media_bytes
@@ -46,10 +47,7 @@ class ColocatedCore:
                 file_root=self.file_root,
             )
             media.append(convert.media_input(part.media, index, data))
-        items = []
-        if media:
-            with convert.engine_errors("media"):
-                items = await self.engine.run(self.encoder.encode, media)
+        items = await encode_items(self.engine, self.encoder, media, "media") if media else []
         sampling = convert.sampling_to_engine(request.sampling)
         result = await run_prefill(self.engine, self.prefill, request.messages, sampling, FetchedItems(items))
         async for chunk, usage in stream_after_prefill(self.decode, request_id, result, sampling):

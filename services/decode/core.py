@@ -17,7 +17,8 @@ from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.serving import convert
 from libs.serving.engine_loop import DecodeLoop
 from libs.serving.generation import decode_stream
-from libs.serving.transport import Transport
+from libs.serving.transport import Transport, transport_name
+from libs.telemetry.stages import record_transfer, stage
 from libs.transfer import ExpectedTensor
 
 
@@ -54,18 +55,29 @@ class DecodeCore:
             if timeout <= 0:
                 raise DeadlineExceeded("deadline passed before the KV cache was read")
         assert self.transport.consumer is not None
-        received = await self.transport.run(
-            self.transport.consumer.fetch,
-            request.kv_cache.handle,
-            expected=expected,
-            timeout_s=timeout,
-            on_abandon=lambda r: r.release(),
-        )
-        try:
-            # Our own copy: the decode batch outlives the request's slot, which goes back now.
-            tensors = {name: t.clone() for name, t in received.tensors.items()}
-        finally:
-            received.release()
+        handle = request.kv_cache.handle
+        with stage("kv.transfer", "transfer") as span:
+            started = time.perf_counter()
+            received = await self.transport.run(
+                self.transport.consumer.fetch,
+                handle,
+                expected=expected,
+                timeout_s=timeout,
+                on_abandon=lambda r: r.release(),
+            )
+            try:
+                # Our own copy: the decode batch outlives the request's slot, which goes back now.
+                tensors = {name: t.clone() for name, t in received.tensors.items()}
+            finally:
+                received.release()
+            record_transfer(
+                span,
+                nbytes=received.nbytes,
+                seconds=time.perf_counter() - started,
+                transport=transport_name([handle]),
+                peers=1,
+                direction="prefill->decode",
+            )
         # The producer's model identity was checked at first contact (ServiceInfo handshake in the
         # metadata resolver), so the cache comes from these weights.
         return eng.KvCache(layout, tensors, weights_digest=self.runtime.weights_digest)

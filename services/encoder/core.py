@@ -15,9 +15,11 @@ from libs.contract.epd.v1 import encoder_pb2, layout_pb2, tensor_pb2
 from libs.contract.validation import Limits, validate_encode_request
 from libs.engine.encoder_runner import EncoderRunner
 from libs.serving import convert
+from libs.serving.encoding import encode_items
 from libs.serving.engine_loop import EngineThread
 from libs.serving.media_source import media_bytes
 from libs.serving.transport import Transport
+from libs.telemetry.stages import stage
 
 
 class EncoderCore:
@@ -51,20 +53,22 @@ class EncoderCore:
             )
             for i, item in enumerate(request.items)
         ]
-        with convert.engine_errors():
-            encoded = await self.engine.run(self.runner.encode, media)
+        encoded = await encode_items(self.engine, self.runner, media)
         nixl = tensor_pb2.TRANSPORT_KIND_NIXL in request.accepted_transports
         producer = self.transport.producer
         assert producer is not None, "the transport is bound once the server listens"
+        put = producer.put if nixl else producer.put_inline
         response = encoder_pb2.EncodeResponse()
         try:
-            for item in encoded:
-                put = producer.put if nixl else producer.put_inline
-                handle = await self.transport.run(
-                    put, item.tensors, on_abandon=lambda h: producer.release([h.lease_id])
-                )
-                response.items.append(
-                    layout_pb2.EncodedMedia(layout=convert.item_layout_to_wire(item.layout), embeddings=handle)
+            with stage("encoder.publish", "transfer") as span:
+                for item in encoded:
+                    handle = await self.transport.run(
+                        put, item.tensors, on_abandon=lambda h: producer.release([h.lease_id])
+                    )
+                    layout = convert.item_layout_to_wire(item.layout)
+                    response.items.append(layout_pb2.EncodedMedia(layout=layout, embeddings=handle))
+                span.set_attribute(
+                    "epd.transfer.bytes", sum(h.embeddings.tensors[0].spec.nbytes for h in response.items)
                 )
         except BaseException:
             producer.release(i.embeddings.lease_id for i in response.items)

@@ -17,6 +17,7 @@ from libs.serving import convert
 from libs.serving.engine_loop import EngineThread
 from libs.serving.generation import fetch_and_prefill
 from libs.serving.transport import Transport
+from libs.telemetry.stages import stage
 
 
 class PrefillCore:
@@ -44,9 +45,11 @@ class PrefillCore:
                 if tensor_pb2.TRANSPORT_KIND_NIXL in request.accepted_kv_transports
                 else producer.put_inline
             )
-            handle = await self.transport.run(
-                put, result.kv_cache.tensors, on_abandon=lambda h: producer.release([h.lease_id])
-            )
+            with stage("kv.publish", "transfer") as span:
+                handle = await self.transport.run(
+                    put, result.kv_cache.tensors, on_abandon=lambda h: producer.release([h.lease_id])
+                )
+                span.set_attribute("epd.transfer.bytes", sum(t.spec.nbytes for t in handle.tensors))
             response.kv_cache.CopyFrom(
                 prefill_pb2.KvCache(layout=convert.kv_layout_to_wire(result.kv_cache.layout), handle=handle)
             )

@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 import structlog
+from opentelemetry import trace
 
 from libs.contract.epd.v1 import (
     chat_pb2,
@@ -33,12 +34,14 @@ from libs.contract.epd.v1 import (
     generation_pb2,
     layout_pb2,
     lease_pb2,
+    media_pb2,
     prefill_decode_pb2,
     prefill_pb2,
     tensor_pb2,
 )
 from libs.contract.errors import DeadlineExceeded, EpdError, FailedPrecondition, InvalidArgument, Unavailable
 from libs.contract.validation import Limits, validate_generate_request
+from libs.telemetry.stages import calls_under, phase, start_phase
 
 _log = structlog.get_logger(__name__)
 
@@ -131,12 +134,30 @@ class Router:
         """Stream the reply to `request`; `deadline` is a `time.monotonic()` instant."""
         validate_generate_request(request, self._limits)
         state = RequestState(request.request_id or uuid.uuid4().hex)
+        root = trace.get_current_span()  # the server span of this Generate call
+        root.set_attributes(
+            {
+                "epd.request_id": state.request_id,
+                "gen_ai.operation.name": "chat",
+                "gen_ai.request.max_tokens": request.sampling.max_tokens,
+                "gen_ai.request.temperature": request.sampling.temperature,
+            }
+        )
+        started_ns = getattr(root, "start_time", None) or time.time_ns()
         try:
             async for chunk, usage in self._run(request, state, deadline):
+                if chunk.token_ids and not state.streamed:
+                    root.set_attribute("epd.ttft_s", (time.time_ns() - started_ns) / 1e9)
                 state.streamed = True
                 response = generate_pb2.GenerateResponse(request_id=state.request_id, chunk=chunk)
                 if usage is not None:
                     response.usage.CopyFrom(usage)
+                    root.set_attributes(
+                        {
+                            "gen_ai.usage.input_tokens": usage.prompt_tokens,
+                            "gen_ai.usage.output_tokens": usage.completion_tokens,
+                        }
+                    )
                 yield response
         finally:
             # Normal completion leaves nothing (consumers acked); failure and cancel may.
@@ -174,7 +195,8 @@ class Router:
                 else:
                     out.CopyFrom(part)
         if jobs:
-            results = await asyncio.gather(*(job for _, job in jobs), return_exceptions=True)
+            with phase("epd.encode", **{"epd.items": len(jobs)}):
+                results = await asyncio.gather(*(job for _, job in jobs), return_exceptions=True)
             for item in results:
                 if isinstance(item, layout_pb2.EncodedMedia):
                     state.hold(item.embeddings)
@@ -201,9 +223,17 @@ class Router:
             tried.add(address)
             self._encoders.outstanding[address] += 1
             try:
-                if check is not None:
-                    await check(address, None)
-                reply = await self._backends.encoder(address).Encode(job, timeout=_remaining(deadline))
+                with phase(
+                    "epd.encode.item",
+                    **{
+                        "epd.item_index": index,
+                        "epd.modality": media_pb2.Modality.Name(part.media.modality),
+                        "epd.encoder": address,
+                    },
+                ):
+                    if check is not None:
+                        await check(address, None)
+                    reply = await self._backends.encoder(address).Encode(job, timeout=_remaining(deadline))
             except FailedPrecondition:
                 if len(tried) < len(self._encoders.outstanding):
                     continue  # an incompatible encoder: try a compatible one
@@ -246,12 +276,17 @@ class Router:
             pd_request = prefill_decode_pb2.PrefillDecodeRequest(
                 request_id=state.request_id, messages=messages, sampling=request.sampling
             )
+            span = start_phase("epd.prefill_decode")
             try:
-                async for reply in b.prefill_decode.PrefillDecode(pd_request, timeout=_remaining(deadline)):
+                with calls_under(span):
+                    call = b.prefill_decode.PrefillDecode(pd_request, timeout=_remaining(deadline))
+                async for reply in call:
                     state.leases.clear()  # PD read and acked the embeddings once it streams
                     yield reply.chunk, (reply.usage if reply.HasField("usage") else None)
             except grpc.aio.AioRpcError as exc:
                 raise _rpc_error("prefill" if not state.streamed else "decode", exc) from None
+            finally:
+                span.end()
             return
 
         prefill_request = prefill_pb2.PrefillRequest(
@@ -261,7 +296,8 @@ class Router:
             accepted_kv_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
         )
         try:
-            first = await b.prefill.Prefill(prefill_request, timeout=_remaining(deadline))
+            with phase("epd.prefill"):
+                first = await b.prefill.Prefill(prefill_request, timeout=_remaining(deadline))
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error("prefill", exc) from None
         state.leases.clear()  # prefill acked every embedding it read
@@ -277,12 +313,17 @@ class Router:
             decode_state=first.decode_state,
             sampling=request.sampling,
         )
+        span = start_phase("epd.decode")
         try:
-            async for reply in b.decode.Decode(decode_request, timeout=_remaining(deadline)):
+            with calls_under(span):
+                call = b.decode.Decode(decode_request, timeout=_remaining(deadline))
+            async for reply in call:
                 state.leases.clear()  # decode acked the KV before streaming
                 yield reply.chunk, (reply.usage if reply.HasField("usage") else None)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error("decode", exc) from None
+        finally:
+            span.end()
 
     async def _release_one(self, address: str, lease_id: str) -> None:
         held = RequestState("")

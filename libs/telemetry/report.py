@@ -1,0 +1,112 @@
+"""Latency attribution of requests from their spans (what `epd trace report` prints).
+
+For each request (a trace whose root is a `GenerateService/Generate` server span), time to first
+token (the root's `epd.ttft_s`) is split into the stages of `libs.telemetry.stages.STAGES`, plus
+`other` (RPC hops, serialization, router bookkeeping: time no stage span covers). The split is a
+partition: every instant between the request's start and its first token is attributed to exactly
+one category, so the parts add up to TTFT. Where stage spans overlap (media encoded in parallel),
+an instant goes to the active stage span that ends last: the one the request is waiting for (the
+critical path).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from libs.telemetry.spans import SpanRecord, by_trace
+from libs.telemetry.stages import STAGES
+
+CATEGORIES = (*STAGES, "other")
+ROOT_NAME = "GenerateService/Generate"
+
+
+@dataclass
+class RequestBreakdown:
+    trace_id: str
+    start_ns: int
+    request_id: str
+    services: list[str]
+    ttft_s: float
+    e2e_s: float
+    output_tokens: int
+    parts: dict[str, float]  # category -> seconds of TTFT
+
+    @property
+    def after_first_token_s(self) -> float:
+        return self.e2e_s - self.ttft_s
+
+
+def _root(spans: list[SpanRecord]) -> SpanRecord | None:
+    roots = [s for s in spans if not s.parent_id and s.name == ROOT_NAME]
+    return min(roots, key=lambda s: s.start_ns) if roots else None
+
+
+def attribute(spans: list[SpanRecord], start_ns: int, end_ns: int) -> dict[str, float]:
+    """Partition [start_ns, end_ns) among stage categories (see the module docstring)."""
+    staged = [
+        s for s in spans if s.attributes.get("epd.stage") in STAGES and s.end_ns > start_ns and s.start_ns < end_ns
+    ]
+    cuts = sorted({start_ns, end_ns, *(max(start_ns, min(end_ns, t)) for s in staged for t in (s.start_ns, s.end_ns))})
+    parts = dict.fromkeys(CATEGORIES, 0.0)
+    for lo, hi in itertools.pairwise(cuts):
+        active = [s for s in staged if s.start_ns <= lo and s.end_ns >= hi]
+        category = str(max(active, key=lambda s: (s.end_ns, s.start_ns)).attributes["epd.stage"]) if active else "other"
+        parts[category] += (hi - lo) / 1e9
+    return parts
+
+
+def breakdowns(spans: Iterable[SpanRecord]) -> list[RequestBreakdown]:
+    """One breakdown per request trace, in start order; traces without a finished root are skipped."""
+    out = []
+    for trace_id, trace_spans in by_trace(spans).items():
+        root = _root(trace_spans)
+        if root is None or "epd.ttft_s" not in root.attributes:
+            continue
+        ttft_s = float(root.attributes["epd.ttft_s"])
+        parts = attribute(trace_spans, root.start_ns, root.start_ns + int(ttft_s * 1e9))
+        out.append(
+            RequestBreakdown(
+                trace_id=trace_id,
+                start_ns=root.start_ns,
+                request_id=str(root.attributes.get("epd.request_id", "")),
+                services=sorted({s.service for s in trace_spans}),
+                ttft_s=ttft_s,
+                e2e_s=root.duration_s,
+                output_tokens=int(root.attributes.get("gen_ai.usage.output_tokens", 0)),
+                parts=parts,
+            )
+        )
+    return sorted(out, key=lambda b: b.start_ns)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def render_text(items: list[RequestBreakdown]) -> str:
+    """Per-request rows and p50/p90/p99 rows, milliseconds."""
+    if not items:
+        return "no request traces found (is the trace exporter on, and did the services shut down cleanly?)\n"
+    columns = ["ttft", *CATEGORIES, "e2e"]
+    header = f"{'request':<20} " + " ".join(f"{c:>10}" for c in columns) + f" {'tokens':>6}"
+    lines = ["time to first token split by stage (ms); 'other' = RPC hops and bookkeeping", header]
+
+    def row(label: str, values: list[float], tokens: str) -> str:
+        return f"{label:<20} " + " ".join(f"{v * 1e3:>10.2f}" for v in values) + f" {tokens:>6}"
+
+    for b in items:
+        values = [b.ttft_s, *(b.parts[c] for c in CATEGORIES), b.e2e_s]
+        lines.append(row((b.request_id or b.trace_id)[:20], values, str(b.output_tokens)))
+    for q in (50, 90, 99):
+        series = [
+            [b.ttft_s for b in items],
+            *([b.parts[c] for b in items] for c in CATEGORIES),
+            [b.e2e_s for b in items],
+        ]
+        lines.append(row(f"p{q} ({len(items)} requests)", [_percentile(s, q) for s in series], ""))
+    return "\n".join(lines) + "\n"
