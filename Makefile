@@ -30,14 +30,15 @@ $(STAMP): requirements.lock pyproject.toml Makefile
 
 deps: $(STAMP) ## create .venv and install the pinned dependencies
 
-proto: deps ## regenerate libs/contract/epd/v1 from proto/epd/v1
+proto: deps ## regenerate libs/contract/epd/v1 and each snapshot's code under libs/contract/snapshots
 	$(PY) proto/codegen.py
 
-proto-check: deps ## buf lint, buf format, buf breaking against every snapshot, generated-code drift
+proto-check: deps ## buf lint/format, buf breaking against every snapshot, generated-code drift, wire vectors
 	$(BIN)/buf lint
 	$(BIN)/buf format -d --exit-code
 	@for snap in $(SNAPSHOTS); do echo "buf breaking --against $$snap"; $(BIN)/buf breaking --against $$snap || exit 1; done
 	$(PY) proto/codegen.py --check
+	$(PY) proto/wirevectors.py --check
 
 lint: deps ## ruff, mypy (strict) and the import layering contracts
 	$(BIN)/ruff check .
