@@ -33,20 +33,22 @@ class ServiceProcess:
     args: list[str]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    # The source tree to run the service from (another checkout runs another version).
+    root: Path = ROOT
     process: subprocess.Popen[bytes] | None = None
     address: str = ""
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.root), env.get("PYTHONPATH", "")) if p)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", self.module, *self.args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                cwd=ROOT,
+                cwd=self.root,
                 env=env,
                 start_new_session=True,  # a Ctrl-C in the launcher's terminal reaches only the launcher
             )

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from libs.contract.errors import DeadlineExceeded, ResourceExhausted
+from libs.contract.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from libs.telemetry.stages import stage
 
 
@@ -29,10 +29,13 @@ class Admission:
         self._slots = asyncio.Semaphore(max_running)
         self.running = 0
         self.waiting = 0
+        self.closed = False
 
     @asynccontextmanager
     async def slot(self, deadline: float | None = None) -> AsyncIterator[None]:
         """Hold a running slot for the body. `deadline` is a `time.monotonic()` instant."""
+        if self.closed:
+            raise Unavailable(f"{self.name} is draining for shutdown; retry elsewhere or later")
         if self._slots.locked() and self.waiting >= self.max_waiting:
             raise ResourceExhausted(
                 f"{self.name} is full: {self.running} running, {self.waiting} waiting (limit {self.max_waiting})"
@@ -52,6 +55,19 @@ class Admission:
         finally:
             self.running -= 1
             self._slots.release()
+
+    def close(self) -> None:
+        """Refuse new work (UNAVAILABLE); admitted and waiting requests carry on."""
+        self.closed = True
+
+    async def idle(self, timeout_s: float) -> bool:
+        """Wait until nothing runs or waits; False if `timeout_s` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while self.running or self.waiting:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
 
 def deadline_of(time_remaining: float | None) -> float | None:

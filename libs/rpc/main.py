@@ -31,6 +31,8 @@ class ServiceParts:
     close: Callable[[], Awaitable[None]] | None = None
     # Called with the bound address once the server listens (producers put it into handles).
     on_started: Callable[[str], None] | None = None
+    # On shutdown, before the server stops: refuse new work and let held work finish (seconds given).
+    drain: Callable[[float], Awaitable[None]] | None = None
 
 
 async def serve(name: str, settings: CommonSettings, parts: ServiceParts, grace_s: float) -> None:
@@ -43,7 +45,7 @@ async def serve(name: str, settings: CommonSettings, parts: ServiceParts, grace_
         parts.on_started(server.address)
     print(f"{name} listening on {server.address}", flush=True)
     try:
-        await server.wait_for_termination()
+        await server.wait_for_termination(parts.drain)
     finally:
         if parts.close is not None:
             await parts.close()

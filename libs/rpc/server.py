@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,16 +121,21 @@ class EpdServer:
     def address(self) -> str:
         return f"{self.options.host}:{self.port}"
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        """Drain: health NOT_SERVING, refuse new RPCs, wait up to the grace period for in-flight ones."""
+    async def stop(self, grace_s: float | None = None, drain: Callable[[float], Awaitable[None]] | None = None) -> None:
+        """Drain: health NOT_SERVING; `drain(seconds)` (the service refusing new work while what it
+        holds for others is consumed, the server still answering handshakes and lease releases);
+        then refuse every RPC and give in-flight ones the rest of the grace period."""
         grace = self.options.grace_s if grace_s is None else grace_s
+        started = time.monotonic()
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        if drain is not None:
+            await drain(grace)
+        await self._server.stop(max(0.0, grace - (time.monotonic() - started)))
         if self._stopping is not None:
             self._stopping.set()
         _log.info("stopped", address=self.address)
 
-    async def wait_for_termination(self) -> None:
+    async def wait_for_termination(self, drain: Callable[[float], Awaitable[None]] | None = None) -> None:
         """Serve until SIGTERM or SIGINT, then drain within the grace period."""
         loop = asyncio.get_running_loop()
         stop_requested = asyncio.Event()
@@ -137,4 +143,4 @@ class EpdServer:
             loop.add_signal_handler(sig, stop_requested.set)
         await stop_requested.wait()
         _log.info("signal received; draining", grace_s=self.options.grace_s)
-        await self.stop()
+        await self.stop(drain=drain)

@@ -10,6 +10,7 @@ import torch
 
 from libs.contract.epd.v1 import generate_pb2, generate_pb2_grpc, service_info_pb2
 from libs.rpc.admission import Admission, deadline_of
+from libs.rpc.drain import drainer
 from libs.rpc.main import ServiceParts, service_main
 from libs.serving.identity import model_identity, service_info
 from libs.serving.settings import ModelServiceSettings
@@ -40,6 +41,7 @@ async def setup(settings: ColocatedSettings) -> ServiceParts:
     torch.set_num_threads(settings.torch_threads)
     core = ColocatedCore(settings.model, max_batch=settings.max_batch, file_root=settings.file_root)
     identity = model_identity(settings, core.runtime.weights_digest)
+    admission = Admission("colocated", min(settings.max_running, settings.max_batch), settings.max_waiting)
     info = service_info(service_info_pb2.SERVICE_ROLE_COLOCATED, identity, core.encoder.specs.values())
 
     async def close() -> None:
@@ -49,14 +51,13 @@ async def setup(settings: ColocatedSettings) -> ServiceParts:
         servicers=[
             (
                 generate_pb2_grpc.add_GenerateServiceServicer_to_server,
-                GenerateServicer(
-                    core, Admission("colocated", min(settings.max_running, settings.max_batch), settings.max_waiting)
-                ),
+                GenerateServicer(core, admission),
                 "epd.v1.GenerateService",
             )
         ],
         info=lambda: info,
         close=close,
+        drain=drainer(admission),
     )
 
 

@@ -13,6 +13,7 @@ from libs.contract.epd.v1 import decode_pb2, decode_pb2_grpc, service_info_pb2
 from libs.engine.decode_runner import DecodeRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.rpc.admission import Admission, deadline_of
+from libs.rpc.drain import drainer
 from libs.rpc.main import ServiceParts, service_main
 from libs.serving.engine_loop import DecodeLoop, EngineThread
 from libs.serving.identity import model_identity, service_info
@@ -75,6 +76,7 @@ async def setup(settings: DecodeSettings) -> ServiceParts:
         ],
         info=lambda: info,
         close=close,
+        drain=drainer(admission, transport.held_leases),
     )
 
 

@@ -10,6 +10,7 @@ import torch
 from libs.contract.epd.v1 import encoder_pb2, encoder_pb2_grpc, service_info_pb2
 from libs.engine.encoder_runner import EncoderRunner
 from libs.rpc.admission import Admission, deadline_of
+from libs.rpc.drain import drainer
 from libs.rpc.main import ServiceParts, service_main
 from libs.serving.engine_loop import EngineThread
 from libs.serving.identity import model_identity, service_info
@@ -69,6 +70,7 @@ async def setup(settings: EncoderSettings) -> ServiceParts:
         ],
         info=lambda: info,
         close=close,
+        drain=drainer(admission, transport.held_leases),
         on_started=transport.bind_address,
     )
 

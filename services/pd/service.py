@@ -13,6 +13,7 @@ from libs.engine.decode_runner import DecodeRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.prefill_runner import PrefillRunner
 from libs.rpc.admission import Admission, deadline_of
+from libs.rpc.drain import drainer
 from libs.rpc.main import ServiceParts, service_main
 from libs.serving.engine_loop import DecodeLoop, EngineThread
 from libs.serving.identity import model_identity, service_info
@@ -76,6 +77,7 @@ async def setup(settings: PrefillDecodeSettings) -> ServiceParts:
         ],
         info=lambda: info,
         close=close,
+        drain=drainer(admission, transport.held_leases),
     )
 
 

@@ -12,6 +12,7 @@ from libs.contract.epd.v1 import prefill_pb2, prefill_pb2_grpc, service_info_pb2
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.prefill_runner import PrefillRunner
 from libs.rpc.admission import Admission, deadline_of
+from libs.rpc.drain import drainer
 from libs.rpc.main import ServiceParts, service_main
 from libs.serving.engine_loop import EngineThread
 from libs.serving.identity import model_identity, service_info
@@ -74,6 +75,7 @@ async def setup(settings: PrefillSettings) -> ServiceParts:
         ],
         info=lambda: info,
         close=close,
+        drain=drainer(admission, transport.held_leases),
         on_started=transport.bind_address,
     )
 

@@ -114,6 +114,17 @@ def _remaining(deadline: float | None) -> float | None:
     return left
 
 
+async def _wait_out_drain(exc: grpc.aio.AioRpcError, deadline: float | None, pause_s: float = 0.1) -> bool:
+    """For a singleton stage that refused work because it is draining for a restart: wait a moment
+    (the replacement comes up; calls use wait_for_ready) and say whether to try again."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE or "draining" not in (exc.details() or ""):
+        return False
+    if deadline is not None and deadline - time.monotonic() <= pause_s:
+        return False
+    await asyncio.sleep(pause_s)
+    return True
+
+
 def _rpc_error(stage: str, exc: grpc.aio.AioRpcError) -> RpcFailed:
     return RpcFailed(stage, exc.code(), exc.details() or exc.code().name)
 
@@ -279,7 +290,7 @@ class Router:
             span = start_phase("epd.prefill_decode")
             try:
                 with calls_under(span):
-                    call = b.prefill_decode.PrefillDecode(pd_request, timeout=_remaining(deadline))
+                    call = b.prefill_decode.PrefillDecode(pd_request, timeout=_remaining(deadline), wait_for_ready=True)
                 async for reply in call:
                     state.leases.clear()  # PD read and acked the embeddings once it streams
                     yield reply.chunk, (reply.usage if reply.HasField("usage") else None)
@@ -297,7 +308,15 @@ class Router:
         )
         try:
             with phase("epd.prefill"):
-                first = await b.prefill.Prefill(prefill_request, timeout=_remaining(deadline))
+                while True:
+                    try:
+                        first = await b.prefill.Prefill(
+                            prefill_request, timeout=_remaining(deadline), wait_for_ready=True
+                        )
+                        break
+                    except grpc.aio.AioRpcError as exc:
+                        if not await _wait_out_drain(exc, deadline):
+                            raise
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error("prefill", exc) from None
         state.leases.clear()  # prefill acked every embedding it read
@@ -314,12 +333,21 @@ class Router:
             sampling=request.sampling,
         )
         span = start_phase("epd.decode")
+        replies = 0
         try:
-            with calls_under(span):
-                call = b.decode.Decode(decode_request, timeout=_remaining(deadline))
-            async for reply in call:
-                state.leases.clear()  # decode acked the KV before streaming
-                yield reply.chunk, (reply.usage if reply.HasField("usage") else None)
+            while True:
+                with calls_under(span):
+                    call = b.decode.Decode(decode_request, timeout=_remaining(deadline), wait_for_ready=True)
+                try:
+                    async for reply in call:
+                        replies += 1
+                        state.leases.clear()  # decode acked the KV before streaming
+                        yield reply.chunk, (reply.usage if reply.HasField("usage") else None)
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    # A decode that refused us before reading anything: the KV is still held.
+                    if replies or not await _wait_out_drain(exc, deadline):
+                        raise
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error("decode", exc) from None
         finally:

@@ -19,6 +19,7 @@ from libs.contract.epd.v1 import (
     service_info_pb2,
 )
 from libs.rpc.admission import Admission, deadline_of
+from libs.rpc.drain import drainer
 from libs.rpc.identity import INSTANCE_ID, SOFTWARE_VERSION
 from libs.rpc.main import ServiceParts, service_main
 from libs.rpc.peers import PeerDirectory
@@ -87,6 +88,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     )
     backends.check_encoder = checks.encoder
     router = Router(backends, EncoderPool(settings.encoders))
+    admission = Admission("router", settings.max_running, settings.max_waiting)
     info = service_info_pb2.ServiceInfo(
         contract_version=version.current(),
         role=service_info_pb2.SERVICE_ROLE_ROUTER,
@@ -97,12 +99,13 @@ async def setup(settings: RouterSettings) -> ServiceParts:
         servicers=[
             (
                 generate_pb2_grpc.add_GenerateServiceServicer_to_server,
-                GenerateServicer(router, Admission("router", settings.max_running, settings.max_waiting)),
+                GenerateServicer(router, admission),
                 "epd.v1.GenerateService",
             )
         ],
         info=lambda: info,
         close=peers.close,
+        drain=drainer(admission),
     )
 
 

@@ -72,7 +72,7 @@ class Prefill:
         self.requests: list[prefill_pb2.PrefillRequest] = []
         self.fail_first = fail_first
 
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, timeout: float | None = None) -> Any:
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, timeout: float | None = None, **_: Any) -> Any:
         self.requests.append(request)
         if self.fail_first is not None and len(self.requests) == 1:
             raise _error(self.fail_first, "embedding lease-0 not found")
@@ -89,7 +89,7 @@ class Decode:
         self.fail_before = fail_before
         self.requests: list[decode_pb2.DecodeRequest] = []
 
-    def Decode(self, request: decode_pb2.DecodeRequest, timeout: float | None = None) -> AsyncIterator[Any]:
+    def Decode(self, request: decode_pb2.DecodeRequest, timeout: float | None = None, **_: Any) -> AsyncIterator[Any]:
         self.requests.append(request)
 
         async def stream() -> AsyncIterator[Any]:
@@ -242,7 +242,7 @@ def test_e_plus_pd_layout() -> None:
     seen: list[prefill_decode_pb2.PrefillDecodeRequest] = []
 
     class PD:
-        def PrefillDecode(self, request: Any, timeout: float | None = None) -> AsyncIterator[Any]:
+        def PrefillDecode(self, request: Any, timeout: float | None = None, **_: Any) -> AsyncIterator[Any]:
             seen.append(request)
 
             async def stream() -> AsyncIterator[Any]:
@@ -292,3 +292,38 @@ def test_incompatible_encoder_is_skipped_at_first_contact() -> None:
     h.router._backends.check_encoder = refuse
     with pytest.raises(FailedPrecondition, match="incompatible"):
         asyncio.run(h.tokens(_request(1)))
+
+
+def test_singleton_stage_draining_for_a_restart_is_waited_out() -> None:
+    h = Harness()
+    calls = {"prefill": 0, "decode": 0}
+    prefill, decode = h.prefill.Prefill, h.decode.Decode
+
+    async def draining_prefill(request: Any, timeout: float | None = None, **kw: Any) -> Any:
+        calls["prefill"] += 1
+        if calls["prefill"] == 1:
+            raise _error(grpc.StatusCode.UNAVAILABLE, "prefill is draining for shutdown; retry elsewhere or later")
+        return await prefill(request, timeout=timeout)
+
+    def draining_decode(request: Any, timeout: float | None = None, **kw: Any) -> AsyncIterator[Any]:
+        calls["decode"] += 1
+        if calls["decode"] == 1:
+
+            async def refuse() -> AsyncIterator[Any]:
+                raise _error(grpc.StatusCode.UNAVAILABLE, "decode is draining for shutdown; retry elsewhere or later")
+                yield  # pragma: no cover
+
+            return refuse()
+        return decode(request, timeout=timeout)
+
+    h.prefill.Prefill = draining_prefill  # type: ignore[method-assign]
+    h.decode.Decode = draining_decode  # type: ignore[method-assign]
+    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    assert calls == {"prefill": 2, "decode": 2}
+    assert h.leases.released == {}  # nothing was abandoned on the way
+
+
+def test_other_unavailable_from_prefill_is_not_retried_as_a_drain() -> None:
+    h = Harness(prefill_fail_first=grpc.StatusCode.UNAVAILABLE)  # an encoder gone: re-encode instead
+    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    assert len(h.log) == 2 and len(h.prefill.requests) == 2
