@@ -355,6 +355,14 @@ def validate_sampling(sampling: sampling_pb2.SamplingParams, path: str, limits: 
             raise _fail(f"{path}.stop_token_ids[{i}]", f"must be >= 0, got {token}")
 
 
+MAX_PRIORITY = 100
+
+
+def _check_priority(priority: int) -> None:
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise _fail("priority", f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority}")
+
+
 def _validate_transports(transports: Sequence[int], path: str) -> None:
     _check_count(transports, path, 1, len(tensor_pb2.TransportKind.values()))
     for i, transport in enumerate(transports):
@@ -405,6 +413,7 @@ def validate_decode_state(state: prefill_pb2.DecodeState, path: str, limits: Lim
 def validate_generate_request(req: generate_pb2.GenerateRequest, limits: Limits = DEFAULT_LIMITS) -> None:
     """Router / colocated `Generate`: client media inline or by URI; request id optional."""
     _check_request_id(req.request_id, "request_id", limits, required=False)
+    _check_priority(req.priority)
     validate_messages(req.messages, "messages", limits, media_kind="media")
     validate_sampling(req.sampling, "sampling", limits)
 
@@ -412,6 +421,7 @@ def validate_generate_request(req: generate_pb2.GenerateRequest, limits: Limits 
 def validate_encode_request(req: encoder_pb2.EncodeRequest, limits: Limits = DEFAULT_LIMITS) -> None:
     """Encoder `Encode`: bounded items with distinct indexes; accepted transports."""
     _check_request_id(req.request_id, "request_id", limits)
+    _check_priority(req.priority)
     _check_count(req.items, "items", 1, limits.max_media_items)
     seen: set[int] = set()
     for i, item in enumerate(req.items):
@@ -427,6 +437,7 @@ def validate_encode_request(req: encoder_pb2.EncodeRequest, limits: Limits = DEF
 def validate_prefill_request(req: prefill_pb2.PrefillRequest, limits: Limits = DEFAULT_LIMITS) -> None:
     """Prefill: metadata-only conversation (media only as `encoded`), KV transports."""
     _check_request_id(req.request_id, "request_id", limits)
+    _check_priority(req.priority)
     validate_messages(req.messages, "messages", limits, media_kind="encoded")
     validate_sampling(req.sampling, "sampling", limits)
     _validate_transports(req.accepted_kv_transports, "accepted_kv_transports")
@@ -437,6 +448,7 @@ def validate_prefill_decode_request(
 ) -> None:
     """PD (E+PD layout): metadata-only conversation."""
     _check_request_id(req.request_id, "request_id", limits)
+    _check_priority(req.priority)
     validate_messages(req.messages, "messages", limits, media_kind="encoded")
     validate_sampling(req.sampling, "sampling", limits)
 
@@ -444,6 +456,7 @@ def validate_prefill_decode_request(
 def validate_decode_request(req: decode_pb2.DecodeRequest, limits: Limits = DEFAULT_LIMITS) -> None:
     """Decode: a consistent KV cache and decode state."""
     _check_request_id(req.request_id, "request_id", limits)
+    _check_priority(req.priority)
     if not req.HasField("kv_cache"):
         raise _fail("kv_cache", "is required")
     validate_kv_cache(req.kv_cache, "kv_cache", limits)

@@ -1,20 +1,26 @@
-"""Admission control: a bound on work running and waiting in one service.
+"""Admission control: a bound on work running and waiting in one service, by priority.
 
-A request first waits for one of `max_running` slots; at most `max_waiting` may wait. A request
-arriving when the waiting room is full is refused at once (RESOURCE_EXHAUSTED), and one whose
-deadline passes while waiting is refused with DEADLINE_EXCEEDED, so a slow stage sheds load instead
-of queueing without bound.
+A request first waits for one of `max_running` slots; at most `max_waiting` may wait. Waiting
+requests are admitted highest `priority` first (epd.v1 1.1 `priority`; 0 by default), equal
+priorities in arrival order. A request arriving when the waiting room is full is refused at once
+(RESOURCE_EXHAUSTED), one whose deadline passes while waiting gets DEADLINE_EXCEEDED, and once the
+service drains for shutdown new requests get UNAVAILABLE: a slow stage sheds load instead of
+queueing without bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from libs.contract.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from libs.telemetry.stages import stage
+
+CAPABILITY = "admission.priority"
 
 
 class Admission:
@@ -26,35 +32,56 @@ class Admission:
         self.name = name
         self.max_running = max_running
         self.max_waiting = max_waiting
-        self._slots = asyncio.Semaphore(max_running)
         self.running = 0
-        self.waiting = 0
         self.closed = False
+        self._heap: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for *_, future in self._heap if not future.done())
 
     @asynccontextmanager
-    async def slot(self, deadline: float | None = None) -> AsyncIterator[None]:
+    async def slot(self, deadline: float | None = None, priority: int = 0) -> AsyncIterator[None]:
         """Hold a running slot for the body. `deadline` is a `time.monotonic()` instant."""
         if self.closed:
             raise Unavailable(f"{self.name} is draining for shutdown; retry elsewhere or later")
-        if self._slots.locked() and self.waiting >= self.max_waiting:
-            raise ResourceExhausted(
-                f"{self.name} is full: {self.running} running, {self.waiting} waiting (limit {self.max_waiting})"
-            )
-        self.waiting += 1
-        try:
-            with stage(f"{self.name}.queue", "queue"):
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                await asyncio.wait_for(self._slots.acquire(), timeout)
-        except TimeoutError:
-            raise DeadlineExceeded(f"deadline passed while waiting for {self.name}") from None
-        finally:
-            self.waiting -= 1
-        self.running += 1
+        with stage(f"{self.name}.queue", "queue", **{"epd.priority": priority}):
+            await self._acquire(deadline, priority)
         try:
             yield
         finally:
-            self.running -= 1
-            self._slots.release()
+            self._release()
+
+    async def _acquire(self, deadline: float | None, priority: int) -> None:
+        if self.running < self.max_running and not self.waiting:
+            self.running += 1
+            return
+        if self.waiting >= self.max_waiting:
+            raise ResourceExhausted(
+                f"{self.name} is full: {self.running} running, {self.waiting} waiting (limit {self.max_waiting})"
+            )
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (-priority, next(self._arrivals), future))
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await asyncio.wait_for(asyncio.shield(future), timeout)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if future.done() and not future.cancelled():
+                self._release()  # admitted just as we gave up: pass the slot on
+            else:
+                future.cancel()
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded(f"deadline passed while waiting for {self.name}") from None
+            raise
+
+    def _release(self) -> None:
+        self.running -= 1
+        while self._heap and self.running < self.max_running:
+            *_, future = heapq.heappop(self._heap)
+            if not future.done():  # skip those that gave up
+                self.running += 1
+                future.set_result(None)
 
     def close(self) -> None:
         """Refuse new work (UNAVAILABLE); admitted and waiting requests carry on."""

@@ -115,6 +115,10 @@ class PeerDirectory:
             self._infos[address] = reply.info
             return reply.info
 
+    def cached(self, address: str) -> service_info_pb2.ServiceInfo | None:
+        """The checked info of `address`, if it was read."""
+        return self._infos.get(address)
+
     def forget(self, address: str) -> None:
         """Drop the cached info of `address` (e.g. after it failed); the next call re-reads it."""
         self._infos.pop(address, None)

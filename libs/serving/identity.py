@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from libs.contract import version
 from libs.contract.epd.v1 import service_info_pb2
 from libs.engine.types import EmbeddingSpec
+from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.identity import INSTANCE_ID, SOFTWARE_VERSION
 from libs.serving.convert import embedding_spec_to_wire
 from libs.serving.settings import ModelServiceSettings
@@ -23,7 +24,7 @@ def service_info(
     model: service_info_pb2.ModelIdentity,
     specs: Iterable[EmbeddingSpec] = (),
     transports: Iterable[service_info_pb2.TransportInfo] = (),
-    capabilities: Iterable[str] = (),
+    capabilities: Iterable[str] = (ADMISSION_PRIORITY,),
 ) -> service_info_pb2.ServiceInfo:
     return service_info_pb2.ServiceInfo(
         contract_version=version.current(),

@@ -29,7 +29,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import structlog
 
 from libs.contract.epd.v1 import service_info_pb2, tensor_pb2
@@ -170,8 +169,8 @@ class TransferAgent:
         """
         self._check_open()
         try:
-            local_descs = self._nixl.get_xfer_descs(_descriptor_array(local), "DRAM")
-            remote_descs = self._nixl.get_xfer_descs(_descriptor_array(remote), "DRAM")
+            local_descs = self._nixl.get_xfer_descs(_descriptors(local), "DRAM")
+            remote_descs = self._nixl.get_xfer_descs(_descriptors(remote), "DRAM")
             xfer = self._nixl.initialize_xfer("READ", local_descs, remote_descs, peer, b"")
         except self._errors.not_found as exc:
             raise LookupError(str(exc)) from exc
@@ -315,12 +314,10 @@ def _nixl_errors() -> _NixlErrors:
     return _NixlErrors(not_found=bindings.nixlNotFoundError, disconnected=bindings.nixlRemoteDisconnectError)
 
 
-def _descriptor_array(ranges: Sequence[Range]) -> np.ndarray[Any, np.dtype[np.uint64]]:
-    array = np.zeros((len(ranges), 3), dtype=np.uint64)  # columns: address, length, device id
-    for i, (address, length) in enumerate(ranges):
-        array[i, 0] = address
-        array[i, 1] = length
-    return array
+def _descriptors(ranges: Sequence[Range]) -> list[tuple[int, int, int]]:
+    # (address, length, device id) tuples go straight to NIXL's binding; a numpy array would be
+    # built element by element here and cost more than the descriptor list itself.
+    return [(address, length, 0) for address, length in ranges]
 
 
 def _create_nixl_agent(name: str, env: dict[str, str], progress_wakeup_s: float | None) -> Any:

@@ -53,11 +53,22 @@ from libs.transfer.pool import MemoryPool, Slot
 
 Expectation = Mapping[str, ExpectedTensor]
 
-# Polling a running READ: yield-spin for a short while (most READs finish within it; a sleep would
-# add its own wake-up latency), then sleep, growing up to a bound, so a long wait does not burn a core.
-_SPIN_S = 0.001
+# Waiting for a READ. UCX moves the bytes (cross-memory attach, one 512 KiB segment per progress
+# call) only while some thread progresses its worker: our polls (each runs progress until it stalls)
+# or NIXL's progress thread. So the waiting thread polls without sleeping for as long as the READ
+# can be expected to take - a fixed allowance plus its bytes at a pessimistic copy rate, capped - and
+# only then backs off to sleeps (growing to a bound), so a stalled or frozen peer does not cost a
+# core. Most READs complete inside `transfer()` already; the spin covers the rest.
+_SPIN_BASE_S = 0.001
+_SPIN_BYTES_PER_S = 1e9  # well under the ~15 GB/s measured: allowance, not estimate
+_SPIN_MAX_S = 0.25
 _FIRST_SLEEP_S = 0.0001
 _MAX_SLEEP_S = 0.001
+
+
+def spin_allowance_s(nbytes: int) -> float:
+    """How long `fetch` polls a READ of `nbytes` without sleeping (see above)."""
+    return min(_SPIN_MAX_S, _SPIN_BASE_S + nbytes / _SPIN_BYTES_PER_S)
 
 
 class ReceivedTensors:
@@ -105,6 +116,7 @@ class _Job:
 
     handle: tensor_pb2.TensorHandle
     offsets: list[int]
+    total: int  # bytes of the local slot (tensors packed, aligned)
     deadline: float
     peer: str = ""
     slot: Slot | None = None
@@ -178,15 +190,14 @@ class TensorConsumer:
         left = seconds_left(handle.lease_expire_time)
         if left < self.agent.config.min_lease_remaining_s:
             raise StaleHandle(f"lease {handle.lease_id} expired {max(-left, 0.0):.3f} s ago (or is about to)")
-        offsets, _ = packed_offsets([desc.spec.nbytes for desc in handle.tensors])
+        offsets, total = packed_offsets([desc.spec.nbytes for desc in handle.tensors])
         # Never read past the lease: after expiry the producer may reuse the memory.
-        return _Job(handle=handle, offsets=offsets, deadline=min(deadline, time.monotonic() + left))
+        return _Job(handle=handle, offsets=offsets, total=total, deadline=min(deadline, time.monotonic() + left))
 
     def _post(self, job: _Job) -> None:
         handle = job.handle
         job.peer = self.peers.ensure(handle.agent)
-        _, total = packed_offsets([desc.spec.nbytes for desc in handle.tensors])
-        job.slot = self.agent.pool.allocate(total)
+        job.slot = self.agent.pool.allocate(job.total)
         local: list[Range] = []
         remote: list[Range] = []
         for desc, offset in zip(handle.tensors, job.offsets, strict=True):
@@ -214,9 +225,11 @@ class TensorConsumer:
 
     def _wait(self, jobs: list[_Job]) -> None:
         pending = [job for job in jobs if not job.outcome]
-        spin_until = time.monotonic() + _SPIN_S
+        if not pending:
+            return
+        spin_until = time.monotonic() + spin_allowance_s(sum(job.total for job in pending))
         sleep_s = _FIRST_SLEEP_S
-        while pending:
+        while True:
             still = []
             now = time.monotonic()
             for job in pending:
@@ -230,9 +243,9 @@ class TensorConsumer:
                     still.append(job)
             pending = still
             if not pending:
-                break
+                return
             if now < spin_until:
-                time.sleep(0)
+                time.sleep(0)  # let other Python threads run; the READ progresses in our next poll
             else:
                 time.sleep(sleep_s)
                 sleep_s = min(_MAX_SLEEP_S, sleep_s * 2)

@@ -32,7 +32,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self, request: generate_pb2.GenerateRequest, context: Any
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         with bind_request(request.request_id or "-"):
-            async with self._admission.slot(deadline_of(context.time_remaining())):
+            async with self._admission.slot(deadline_of(context.time_remaining()), request.priority):
                 async for response in self._core.generate(request):
                     yield response
 

@@ -39,7 +39,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def Decode(self, request: decode_pb2.DecodeRequest, context: Any) -> AsyncIterator[decode_pb2.DecodeResponse]:
         deadline = deadline_of(context.time_remaining())
         with bind_request(request.request_id or "-"):
-            async with self._admission.slot(deadline):
+            async with self._admission.slot(deadline, request.priority):
                 async for response in self._core.decode(request, deadline):
                     yield response
 

@@ -33,7 +33,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: Any) -> encoder_pb2.EncodeResponse:
         with bind_request(request.request_id or "-"):
-            async with self._admission.slot(deadline_of(context.time_remaining())):
+            async with self._admission.slot(deadline_of(context.time_remaining()), request.priority):
                 return await self._core.encode(request)
 
 

@@ -39,7 +39,7 @@ class PrefillDecodeServicer(prefill_decode_pb2_grpc.PrefillDecodeServiceServicer
     ) -> AsyncIterator[prefill_decode_pb2.PrefillDecodeResponse]:
         deadline = deadline_of(context.time_remaining())
         with bind_request(request.request_id or "-"):
-            async with self._admission.slot(deadline):
+            async with self._admission.slot(deadline, request.priority):
                 async for response in self._core.generate(request, deadline):
                     yield response
 

@@ -38,7 +38,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
         deadline = deadline_of(context.time_remaining())
         with bind_request(request.request_id or "-"):
-            async with self._admission.slot(deadline):
+            async with self._admission.slot(deadline, request.priority):
                 return await self._core.prefill(request, deadline)
 
 

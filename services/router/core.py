@@ -41,6 +41,7 @@ from libs.contract.epd.v1 import (
 )
 from libs.contract.errors import DeadlineExceeded, EpdError, FailedPrecondition, InvalidArgument, Unavailable
 from libs.contract.validation import Limits, validate_generate_request
+from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.telemetry.stages import calls_under, phase, start_phase
 
 _log = structlog.get_logger(__name__)
@@ -72,6 +73,17 @@ class Backends:
     prefill_decode: Any = None  # PrefillDecodeServiceStub (E+PD)
     # First-contact check of an encoder (address, instance id or None); raises FailedPrecondition.
     check_encoder: Callable[[str, str | None], Awaitable[None]] | None = None
+    # First-contact check of the prefill/decode (or PD) backends; raises FailedPrecondition.
+    check_backends: Callable[[], Awaitable[object]] | None = None
+    # Whether the peer at an address advertises a capability (features are negotiated this way).
+    honors: Callable[[str, str], bool] | None = None
+    # Addresses of the prefill / decode / pd stages, for `honors`.
+    addresses: dict[str, str] = field(default_factory=dict)
+
+    def priority_for(self, target: str, priority: int) -> int:
+        """The request's priority for a peer that honors it (contract 1.1), else the default."""
+        address = self.addresses.get(target, target)
+        return priority if self.honors is not None and self.honors(address, ADMISSION_PRIORITY) else 0
 
 
 class EncoderPool:
@@ -98,6 +110,7 @@ class RequestState:
     """What one request holds: leases to release, whether tokens were streamed."""
 
     request_id: str
+    priority: int = 0
     leases: dict[str, set[str]] = field(default_factory=dict)  # producer address -> lease ids
     streamed: bool = False
 
@@ -144,7 +157,7 @@ class Router:
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """Stream the reply to `request`; `deadline` is a `time.monotonic()` instant."""
         validate_generate_request(request, self._limits)
-        state = RequestState(request.request_id or uuid.uuid4().hex)
+        state = RequestState(request.request_id or uuid.uuid4().hex, request.priority)
         root = trace.get_current_span()  # the server span of this Generate call
         root.set_attributes(
             {
@@ -177,6 +190,8 @@ class Router:
     async def _run(
         self, request: generate_pb2.GenerateRequest, state: RequestState, deadline: float | None
     ) -> AsyncIterator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]]:
+        if self._backends.check_backends is not None:
+            await self._backends.check_backends()
         for attempt in range(2):
             messages = await self._encode_all(request, state, deadline)
             try:
@@ -227,6 +242,7 @@ class Router:
             items=[encoder_pb2.EncodeItem(item_index=index, media=part.media)],
             accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
         )
+        priority = state.priority
         tried: set[str] = set()
         check = self._backends.check_encoder
         while True:
@@ -244,6 +260,7 @@ class Router:
                 ):
                     if check is not None:
                         await check(address, None)
+                    job.priority = self._backends.priority_for(address, priority)
                     reply = await self._backends.encoder(address).Encode(job, timeout=_remaining(deadline))
             except FailedPrecondition:
                 if len(tried) < len(self._encoders.outstanding):
@@ -285,7 +302,10 @@ class Router:
         b = self._backends
         if b.prefill_decode is not None:
             pd_request = prefill_decode_pb2.PrefillDecodeRequest(
-                request_id=state.request_id, messages=messages, sampling=request.sampling
+                request_id=state.request_id,
+                messages=messages,
+                sampling=request.sampling,
+                priority=b.priority_for("pd", request.priority),
             )
             span = start_phase("epd.prefill_decode")
             try:
@@ -305,6 +325,7 @@ class Router:
             messages=messages,
             sampling=request.sampling,
             accepted_kv_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+            priority=b.priority_for("prefill", request.priority),
         )
         try:
             with phase("epd.prefill"):
@@ -331,6 +352,7 @@ class Router:
             kv_cache=first.kv_cache,
             decode_state=first.decode_state,
             sampling=request.sampling,
+            priority=b.priority_for("decode", request.priority),
         )
         span = start_phase("epd.decode")
         replies = 0

@@ -44,6 +44,11 @@ class BackendChecks:
                 self._backend = info
         return self._backend
 
+    def honors(self, address: str, capability: str) -> bool:
+        """Whether the (already checked) peer at `address` advertises `capability`."""
+        info = self._peers.cached(address)
+        return info is not None and capability in info.capabilities
+
     async def encoder(self, address: str, instance_id: str | None = None) -> None:
         """Raise FailedPrecondition when the encoder at `address` cannot feed our prefill."""
         backend = await self.backend()

@@ -18,6 +18,7 @@ from libs.contract.epd.v1 import (
     prefill_pb2_grpc,
     service_info_pb2,
 )
+from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission, deadline_of
 from libs.rpc.drain import drainer
 from libs.rpc.identity import INSTANCE_ID, SOFTWARE_VERSION
@@ -52,7 +53,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         deadline = deadline_of(context.time_remaining())
         with bind_request(request.request_id or "-"):
-            async with self._admission.slot(deadline):
+            async with self._admission.slot(deadline, request.priority):
                 async for response in self._router.generate(request, deadline):
                     yield response
 
@@ -87,12 +88,16 @@ async def setup(settings: RouterSettings) -> ServiceParts:
         decode=settings.decode if settings.layout == "e/p/d" else None,
     )
     backends.check_encoder = checks.encoder
+    backends.check_backends = checks.backend
+    backends.honors = checks.honors
+    backends.addresses = {"prefill": settings.prefill, "decode": settings.decode, "pd": settings.pd}
     router = Router(backends, EncoderPool(settings.encoders))
     admission = Admission("router", settings.max_running, settings.max_waiting)
     info = service_info_pb2.ServiceInfo(
         contract_version=version.current(),
         role=service_info_pb2.SERVICE_ROLE_ROUTER,
         instance_id=INSTANCE_ID,
+        capabilities=[ADMISSION_PRIORITY],
         software_version=SOFTWARE_VERSION,
     )
     return ServiceParts(

@@ -13,7 +13,7 @@ import pytest
 from libs.contract import validation as v
 from libs.contract.epd.v1 import layout_pb2, media_pb2, service_info_pb2, tensor_pb2
 from libs.contract.errors import InvalidArgument
-from libs.contract.version import incompatibility
+from libs.contract.version import CONTRACT_MINOR, incompatibility
 from tests.contract import samples
 
 VALIDATORS: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
@@ -162,6 +162,7 @@ BAD = [
         "messages[1].parts[0].media.processor_options.min_pixels",
         "exceeds max_pixels",
     ),
+    Bad("GenerateRequest", _set("priority", 101), "priority", "[-100, 100]"),
     # EncodeRequest
     Bad("EncodeRequest", _set("request_id", ""), "request_id", "must not be empty"),
     Bad("EncodeRequest", _add_items(17), "items", "the limit is 16"),
@@ -242,6 +243,7 @@ BAD = [
     Bad("DecodeRequest", _set("decode_state.prompt_tokens", 12), "kv_cache.layout.num_tokens", "implies 12"),
     Bad("DecodeRequest", _set("decode_state.generated_tokens", 0), "decode_state.generated_tokens", ">= 1"),
     Bad("DecodeRequest", _set("sampling.top_k", -1), "sampling.top_k", ">= 0"),
+    Bad("DecodeRequest", _set("priority", -101), "priority", "got -101"),
     # ReleaseLeasesRequest
     Bad("ReleaseLeasesRequest", _set("reason", 0), "reason", "RELEASE_REASON_UNSPECIFIED"),
     Bad("ReleaseLeasesRequest", lambda r: r.lease_ids.append(""), "lease_ids[2]", "empty"),
@@ -309,4 +311,4 @@ def test_image_layout_with_wrong_modality_arm() -> None:
 def test_version_compatibility_is_decided_by_major() -> None:
     assert incompatibility(service_info_pb2.ContractVersion(major=1, minor=7)) is None
     reason = incompatibility(service_info_pb2.ContractVersion(major=2, minor=0))
-    assert reason is not None and "2.0" in reason and "1.0" in reason
+    assert reason is not None and "peer speaks 2.0" in reason and f"this service speaks 1.{CONTRACT_MINOR}" in reason

@@ -327,3 +327,25 @@ def test_other_unavailable_from_prefill_is_not_retried_as_a_drain() -> None:
     h = Harness(prefill_fail_first=grpc.StatusCode.UNAVAILABLE)  # an encoder gone: re-encode instead
     assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
     assert len(h.log) == 2 and len(h.prefill.requests) == 2
+
+
+def test_priority_is_forwarded_only_to_peers_that_honor_it() -> None:
+    h = Harness()
+    h.router._backends.addresses = {"prefill": "p:1", "decode": "d:1"}
+    honoring = {"enc1", "p:1"}  # enc0 and decode speak contract 1.0: no "admission.priority"
+    h.router._backends.honors = lambda address, capability: address in honoring
+    seen: list[tuple[str, int]] = []
+    for encoder in h.encoders.values():
+        original = encoder.Encode
+
+        async def encode(req: Any, timeout: float | None = None, _o: Any = original, _a: str = encoder.address) -> Any:
+            seen.append((_a, req.priority))
+            return await _o(req, timeout=timeout)
+
+        encoder.Encode = encode  # type: ignore[method-assign]
+    request = _request(2)
+    request.priority = 7
+    assert asyncio.run(h.tokens(request)) == [7, 8, 9]
+    assert sorted(seen) == [("enc0", 0), ("enc1", 7)]
+    assert h.prefill.requests[0].priority == 7
+    assert h.decode.requests[0].priority == 0

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from libs.contract.errors import DeadlineExceeded, ResourceExhausted
+from libs.contract.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from libs.rpc.admission import Admission, deadline_of
 
 
@@ -49,5 +49,43 @@ def test_deadline_while_waiting() -> None:
         assert (admission.running, admission.waiting) == (0, 0)
         async with admission.slot(deadline=deadline_of(1.0)):
             assert admission.running == 1
+
+    asyncio.run(scenario())
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
+    async def scenario() -> list[str]:
+        admission = Admission("decode", max_running=1, max_waiting=8)
+        order: list[str] = []
+        release = asyncio.Event()
+
+        async def work(name: str, priority: int) -> None:
+            async with admission.slot(priority=priority):
+                order.append(name)
+                if name == "first":
+                    await release.wait()
+
+        first = asyncio.ensure_future(work("first", 0))
+        await asyncio.sleep(0.01)
+        rest = [asyncio.ensure_future(work(n, p)) for n, p in [("low", -5), ("a", 0), ("high", 9), ("b", 0)]]
+        await asyncio.sleep(0.01)
+        assert admission.waiting == 4
+        release.set()
+        await asyncio.gather(first, *rest)
+        assert (admission.running, admission.waiting) == (0, 0)
+        return order
+
+    assert asyncio.run(scenario()) == ["first", "high", "a", "b", "low"]
+
+
+def test_draining_refuses_new_work_but_finishes_admitted() -> None:
+    async def scenario() -> None:
+        admission = Admission("prefill", max_running=1, max_waiting=4)
+        async with admission.slot():
+            admission.close()
+            with pytest.raises(Unavailable, match="draining"):
+                async with admission.slot():
+                    pass
+        assert await admission.idle(1.0)
 
     asyncio.run(scenario())

@@ -11,6 +11,7 @@ import pytest
 from libs.contract import version
 from libs.contract.epd.v1 import media_pb2, service_info_pb2, tensor_pb2
 from libs.contract.errors import FailedPrecondition, Unavailable
+from libs.contract.version import CONTRACT_MINOR
 from libs.rpc.peers import PeerDirectory, check_embedding_specs
 from libs.rpc.server import EpdServer, ServerOptions
 
@@ -66,7 +67,9 @@ def test_handshake_checks_and_caches() -> None:
             assert peer.calls == 2
 
             peer.info.contract_version.major = 2
-            with pytest.raises(FailedPrecondition, match=r"peer speaks 2\.0, this service speaks 1\.0"):
+            with pytest.raises(
+                FailedPrecondition, match=rf"peer speaks 2\.{CONTRACT_MINOR}, this service speaks 1\.{CONTRACT_MINOR}"
+            ):
                 await peers.info(server.address, refresh=True)
             peer.info.contract_version.major = 1
 

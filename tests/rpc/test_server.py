@@ -66,7 +66,7 @@ def test_standard_services_and_graceful_stop() -> None:
                 service_info_pb2.GetServiceInfoRequest(caller_contract_version=version.current()), timeout=5
             )
             assert info.info.role == service_info_pb2.SERVICE_ROLE_ENCODER
-            assert (info.info.contract_version.major, info.info.contract_version.minor) == (1, 0)
+            assert (info.info.contract_version.major, info.info.contract_version.minor) == (1, version.CONTRACT_MINOR)
 
             reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
             services: set[str] = set()

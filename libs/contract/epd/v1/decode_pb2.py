@@ -28,7 +28,7 @@ from . import prefill_pb2 as epd_dot_v1_dot_prefill__pb2
 from . import sampling_pb2 as epd_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/decode.proto\x12\x06\x65pd.v1\x1a\x17\x65pd/v1/generation.proto\x1a\x14\x65pd/v1/prefill.proto\x1a\x15\x65pd/v1/sampling.proto\"\x9b\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x08kv_cache\x18\x02 \x01(\x0b\x32\x0f.epd.v1.KvCache\x12)\n\x0c\x64\x65\x63ode_state\x18\x03 \x01(\x0b\x32\x13.epd.v1.DecodeState\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.epd.v1.SamplingParams\"Q\n\x0e\x44\x65\x63odeResponse\x12!\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.epd.v1.TokenChunk\x12\x1c\n\x05usage\x18\x02 \x01(\x0b\x32\r.epd.v1.Usage2J\n\rDecodeService\x12\x39\n\x06\x44\x65\x63ode\x12\x15.epd.v1.DecodeRequest\x1a\x16.epd.v1.DecodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/decode.proto\x12\x06\x65pd.v1\x1a\x17\x65pd/v1/generation.proto\x1a\x14\x65pd/v1/prefill.proto\x1a\x15\x65pd/v1/sampling.proto\"\xad\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x08kv_cache\x18\x02 \x01(\x0b\x32\x0f.epd.v1.KvCache\x12)\n\x0c\x64\x65\x63ode_state\x18\x03 \x01(\x0b\x32\x13.epd.v1.DecodeState\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\"Q\n\x0e\x44\x65\x63odeResponse\x12!\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.epd.v1.TokenChunk\x12\x1c\n\x05usage\x18\x02 \x01(\x0b\x32\r.epd.v1.Usage2J\n\rDecodeService\x12\x39\n\x06\x44\x65\x63ode\x12\x15.epd.v1.DecodeRequest\x1a\x16.epd.v1.DecodeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.decode_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=102
-  _globals['_DECODEREQUEST']._serialized_end=257
-  _globals['_DECODERESPONSE']._serialized_start=259
-  _globals['_DECODERESPONSE']._serialized_end=340
-  _globals['_DECODESERVICE']._serialized_start=342
-  _globals['_DECODESERVICE']._serialized_end=416
+  _globals['_DECODEREQUEST']._serialized_end=275
+  _globals['_DECODERESPONSE']._serialized_start=277
+  _globals['_DECODERESPONSE']._serialized_end=358
+  _globals['_DECODESERVICE']._serialized_start=360
+  _globals['_DECODESERVICE']._serialized_end=434
 # @@protoc_insertion_point(module_scope)

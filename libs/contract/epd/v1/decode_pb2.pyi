@@ -30,8 +30,14 @@ class DecodeRequest(_message.Message):
     KV_CACHE_FIELD_NUMBER: _builtins.int
     DECODE_STATE_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Identifier of the client request. Required."""
+    priority: _builtins.int
+    """Scheduling priority among requests waiting for a slot: higher is served first, equal
+    priorities in arrival order. 0 is the default; range [-100, 100]. Since contract 1.1; 1.0
+    servers ignore it (peers advertise the "admission.priority" capability when they honor it).
+    """
     @_builtins.property
     def kv_cache(self) -> _prefill_pb2.KvCache:
         """The KV cache to continue from. Required."""
@@ -51,10 +57,11 @@ class DecodeRequest(_message.Message):
         kv_cache: _prefill_pb2.KvCache | None = ...,
         decode_state: _prefill_pb2.DecodeState | None = ...,
         sampling: _sampling_pb2.SamplingParams | None = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decode_state", b"decode_state", "kv_cache", b"kv_cache", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_state", b"decode_state", "kv_cache", b"kv_cache", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_state", b"decode_state", "kv_cache", b"kv_cache", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -61,8 +61,14 @@ class EncodeRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     ITEMS_FIELD_NUMBER: _builtins.int
     ACCEPTED_TRANSPORTS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Identifier of the client request, for logs and traces. Required."""
+    priority: _builtins.int
+    """Scheduling priority among requests waiting for a slot: higher is served first, equal
+    priorities in arrival order. 0 is the default; range [-100, 100]. Since contract 1.1; 1.0
+    servers ignore it (peers advertise the "admission.priority" capability when they honor it).
+    """
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___EncodeItem]:
         """Items to encode. At least one; at most the server's limit (default 16)."""
@@ -77,10 +83,11 @@ class EncodeRequest(_message.Message):
         request_id: _builtins.str = ...,
         items: _abc.Iterable[Global___EncodeItem] | None = ...,
         accepted_transports: _abc.Iterable[_tensor_pb2.TransportKind.ValueType] | None = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_transports", b"accepted_transports", "items", b"items", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_transports", b"accepted_transports", "items", b"items", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -31,8 +31,14 @@ class PrefillDecodeRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Identifier of the client request. Required."""
+    priority: _builtins.int
+    """Scheduling priority among requests waiting for a slot: higher is served first, equal
+    priorities in arrival order. 0 is the default; range [-100, 100]. Since contract 1.1; 1.0
+    servers ignore it (peers advertise the "admission.priority" capability when they honor it).
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_chat_pb2.ChatMessage]:
         """The conversation; media parts must be `encoded`. At least one message."""
@@ -47,10 +53,11 @@ class PrefillDecodeRequest(_message.Message):
         request_id: _builtins.str = ...,
         messages: _abc.Iterable[_chat_pb2.ChatMessage] | None = ...,
         sampling: _sampling_pb2.SamplingParams | None = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -29,7 +29,7 @@ from . import sampling_pb2 as epd_dot_v1_dot_sampling__pb2
 from . import tensor_pb2 as epd_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/prefill.proto\x12\x06\x65pd.v1\x1a\x11\x65pd/v1/chat.proto\x1a\x17\x65pd/v1/generation.proto\x1a\x15\x65pd/v1/sampling.proto\x1a\x13\x65pd/v1/tensor.proto\"}\n\rKvCacheLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x03\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.epd.v1.DType\"V\n\x07KvCache\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.epd.v1.KvCacheLayout\x12$\n\x06handle\x18\x02 \x01(\x0b\x32\x14.epd.v1.TensorHandle\"\x87\x01\n\x0b\x44\x65\x63odeState\x12\x1b\n\x13next_input_token_id\x18\x01 \x01(\x05\x12\x12\n\nrope_delta\x18\x02 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x05\x12\x16\n\x0egenerated_text\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x35\n\x16\x61\x63\x63\x65pted_kv_transports\x18\x04 \x03(\x0e\x32\x15.epd.v1.TransportKind\"\x88\x01\n\x0fPrefillResponse\x12\'\n\x0b\x66irst_chunk\x18\x01 \x01(\x0b\x32\x12.epd.v1.TokenChunk\x12!\n\x08kv_cache\x18\x02 \x01(\x0b\x32\x0f.epd.v1.KvCache\x12)\n\x0c\x64\x65\x63ode_state\x18\x03 \x01(\x0b\x32\x13.epd.v1.DecodeState2L\n\x0ePrefillService\x12:\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x17.epd.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/prefill.proto\x12\x06\x65pd.v1\x1a\x11\x65pd/v1/chat.proto\x1a\x17\x65pd/v1/generation.proto\x1a\x15\x65pd/v1/sampling.proto\x1a\x13\x65pd/v1/tensor.proto\"}\n\rKvCacheLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x03\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.epd.v1.DType\"V\n\x07KvCache\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.epd.v1.KvCacheLayout\x12$\n\x06handle\x18\x02 \x01(\x0b\x32\x14.epd.v1.TensorHandle\"\x87\x01\n\x0b\x44\x65\x63odeState\x12\x1b\n\x13next_input_token_id\x18\x01 \x01(\x05\x12\x12\n\nrope_delta\x18\x02 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x05\x12\x16\n\x0egenerated_text\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\"\xbe\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x35\n\x16\x61\x63\x63\x65pted_kv_transports\x18\x04 \x03(\x0e\x32\x15.epd.v1.TransportKind\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\x88\x01\n\x0fPrefillResponse\x12\'\n\x0b\x66irst_chunk\x18\x01 \x01(\x0b\x32\x12.epd.v1.TokenChunk\x12!\n\x08kv_cache\x18\x02 \x01(\x0b\x32\x0f.epd.v1.KvCache\x12)\n\x0c\x64\x65\x63ode_state\x18\x03 \x01(\x0b\x32\x13.epd.v1.DecodeState2L\n\x0ePrefillService\x12:\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x17.epd.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,9 +43,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODESTATE']._serialized_start=336
   _globals['_DECODESTATE']._serialized_end=471
   _globals['_PREFILLREQUEST']._serialized_start=474
-  _globals['_PREFILLREQUEST']._serialized_end=646
-  _globals['_PREFILLRESPONSE']._serialized_start=649
-  _globals['_PREFILLRESPONSE']._serialized_end=785
-  _globals['_PREFILLSERVICE']._serialized_start=787
-  _globals['_PREFILLSERVICE']._serialized_end=863
+  _globals['_PREFILLREQUEST']._serialized_end=664
+  _globals['_PREFILLRESPONSE']._serialized_start=667
+  _globals['_PREFILLRESPONSE']._serialized_end=803
+  _globals['_PREFILLSERVICE']._serialized_start=805
+  _globals['_PREFILLSERVICE']._serialized_end=881
 # @@protoc_insertion_point(module_scope)
