@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import mimetypes
 import time
 from collections.abc import Callable, Sequence
@@ -63,6 +64,7 @@ class GenerationResult:
     completion_tokens: int = 0
     ttft_s: float = 0.0
     total_s: float = 0.0
+    retries: int = 0  # calls refused with UNAVAILABLE before any token, then retried
 
     @property
     def inter_token_s(self) -> float:
@@ -77,26 +79,44 @@ async def generate(
     *,
     timeout_s: float | None = 120.0,
     on_text: Callable[[str], None] | None = None,
+    retry_unavailable: bool = False,
 ) -> GenerationResult:
-    """Call `Generate` and collect the stream; `on_text` sees each text delta as it arrives."""
+    """Call `Generate` and collect the stream; `on_text` sees each text delta as it arrives.
+
+    With `retry_unavailable`, a call refused with UNAVAILABLE before any token arrived (a router
+    restarting or draining) is retried, and the channel waits for the server to be ready, until the
+    deadline: what a client of a service under a rolling upgrade does.
+    """
     stub = generate_pb2_grpc.GenerateServiceStub(channel)
-    result = GenerationResult()
     started = time.perf_counter()
-    async for response in stub.Generate(request, timeout=timeout_s):
-        if response.chunk.token_ids and not result.token_ids:
-            result.ttft_s = time.perf_counter() - started
-        result.request_id = response.request_id
-        result.token_ids.extend(response.chunk.token_ids)
-        result.text += response.chunk.text
-        if on_text and response.chunk.text:
-            on_text(response.chunk.text)
-        if response.chunk.finish_reason:
-            result.finish_reason = generation_pb2.FinishReason.Name(response.chunk.finish_reason)
-        if response.HasField("usage"):
-            result.prompt_tokens = response.usage.prompt_tokens
-            result.completion_tokens = response.usage.completion_tokens
-    result.total_s = time.perf_counter() - started
-    return result
+    deadline = None if timeout_s is None else started + timeout_s
+    retries = 0
+    while True:
+        result = GenerationResult(retries=retries)
+        left = None if deadline is None else deadline - time.perf_counter()
+        try:
+            async for response in stub.Generate(request, timeout=left, wait_for_ready=retry_unavailable or None):
+                if response.chunk.token_ids and not result.token_ids:
+                    result.ttft_s = time.perf_counter() - started
+                result.request_id = response.request_id
+                result.token_ids.extend(response.chunk.token_ids)
+                result.text += response.chunk.text
+                if on_text and response.chunk.text:
+                    on_text(response.chunk.text)
+                if response.chunk.finish_reason:
+                    result.finish_reason = generation_pb2.FinishReason.Name(response.chunk.finish_reason)
+                if response.HasField("usage"):
+                    result.prompt_tokens = response.usage.prompt_tokens
+                    result.completion_tokens = response.usage.completion_tokens
+        except grpc.aio.AioRpcError as exc:
+            again = retry_unavailable and exc.code() == grpc.StatusCode.UNAVAILABLE and not result.token_ids
+            if not again or (deadline is not None and deadline - time.perf_counter() < 0.2):
+                raise
+            retries += 1
+            await asyncio.sleep(0.1)
+            continue
+        result.total_s = time.perf_counter() - started
+        return result
 
 
 def open_channel(address: str) -> grpc.aio.Channel:

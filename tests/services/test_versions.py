@@ -1,0 +1,241 @@
+"""Cross-version interoperation with live processes: services of the contract 1.0 release (run from
+a checkout of that commit) and current services (contract 1.1) in one stack, for both handoffs in
+both directions, and a rolling upgrade of a running stack, one service at a time, under load."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from libs.client.generate import GenerationResult, generate, open_channel
+from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
+from libs.launch.process import ROOT, ServiceProcess
+from tests.services.conftest import MIXES
+from tests.services.golden import request_for
+
+RELEASE_1_0 = "Release contract v1.0"
+MIX_NAMES = ["text", "image", "audio_image", "video"]
+
+
+@pytest.fixture(scope="module")
+def v1_0_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A checkout of the commit that released contract 1.0 (its services speak 1.0)."""
+    found = subprocess.run(
+        ["git", "log", "--format=%H", f"--grep={RELEASE_1_0}", "-1"], cwd=ROOT, capture_output=True, text=True
+    )
+    commit = found.stdout.strip()
+    if found.returncode != 0 or not commit:
+        pytest.skip("this clone lacks the history of the contract 1.0 release")
+    path = tmp_path_factory.mktemp("v1_0") / "epd"
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=ROOT, check=True, capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True)
+        subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [int(s.getsockname()[1]) for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _start(name: str, module: str, root: Path, args: list[str], logs: Path) -> ServiceProcess:
+    process = ServiceProcess(name, module, args, log_path=logs / f"{name}-{root.name}.log", root=root)
+    process.start()
+    return process
+
+
+def _contract(address: str) -> tuple[int, int]:
+    with grpc.insecure_channel(address) as channel:
+        info = service_info_pb2_grpc.ServiceInfoServiceStub(channel).GetServiceInfo(
+            service_info_pb2.GetServiceInfoRequest(), timeout=10
+        )
+    return info.info.contract_version.major, info.info.contract_version.minor
+
+
+def _backends(
+    model: Path, roots: dict[str, Path], logs: Path, ports: dict[str, int] | None = None
+) -> dict[str, ServiceProcess]:
+    model_args = ["--model", str(model), "--torch-threads", "1"]
+    procs = {}
+    for name, module in (
+        ("encoder-0", "services.encoder"),
+        ("prefill", "services.prefill"),
+        ("decode", "services.decode"),
+    ):
+        port = ["--port", str(ports[name])] if ports else []
+        procs[name] = _start(name, module, roots[name], [*model_args, *port], logs)
+    for process in procs.values():
+        process.wait_ready(120)
+    return procs
+
+
+def _router(
+    root: Path, procs: dict[str, ServiceProcess], logs: Path, encoders: list[str], port: int = 0
+) -> ServiceProcess:
+    router = _start(
+        "router",
+        "services.router",
+        root,
+        [
+            "--port", str(port),
+            "--encoders", ",".join(encoders),
+            "--prefill", procs["prefill"].address,
+            "--decode", procs["decode"].address,
+        ],
+        logs,
+    )  # fmt: skip
+    router.wait_ready(60)
+    return router
+
+
+# Stack A: old encoder -> new prefill (E->P old->new), new prefill -> old decode (P->D new->old).
+# Stack B: new encoder -> old prefill (E->P new->old), old prefill -> new decode (P->D old->new).
+MATRIX = {
+    "A": {"encoder-0": "old", "prefill": "new", "decode": "old"},
+    "B": {"encoder-0": "new", "prefill": "old", "decode": "new"},
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stack", sorted(MATRIX))
+def test_cross_version_handoffs(
+    stack: str, v1_0_tree: Path, model_path: Path, expected: dict[str, list[int]], tmp_path: Path
+) -> None:
+    roots = {name: (v1_0_tree if version == "old" else ROOT) for name, version in MATRIX[stack].items()}
+    procs = _backends(model_path, roots, tmp_path)
+    router = None
+    try:
+        for name, version in MATRIX[stack].items():
+            assert _contract(procs[name].address) == ((1, 0) if version == "old" else (1, 1))
+        router = _router(ROOT, procs, tmp_path, [procs["encoder-0"].address])
+        requests = [request_for(MIXES[name], request_id=f"x{stack}-{name}") for name in MIX_NAMES]
+        for request in requests:
+            request.priority = 7  # honored by the 1.1 peers; never set on calls to 1.0 peers
+
+        async def run() -> list[GenerationResult]:
+            async with open_channel(router.address) as channel:
+                return [await generate(channel, r, timeout_s=60) for r in requests]
+
+        results = asyncio.run(run())
+        assert {n: r.token_ids for n, r in zip(MIX_NAMES, results, strict=True)} == {n: expected[n] for n in MIX_NAMES}
+    finally:
+        for process in [router, *procs.values()]:
+            if process is not None:
+                assert process.stop() == 0, process.log_tail()
+
+
+@pytest.mark.timeout(420)
+def test_rolling_upgrade_under_load(
+    v1_0_tree: Path, model_path: Path, expected: dict[str, list[int]], tmp_path: Path
+) -> None:
+    names = ["encoder-0", "encoder-1", "prefill", "decode", "router"]
+    ports = dict(zip(names, _free_ports(len(names)), strict=True))
+    model_args = ["--model", str(model_path), "--torch-threads", "1"]
+    modules = {
+        "encoder-0": "services.encoder",
+        "encoder-1": "services.encoder",
+        "prefill": "services.prefill",
+        "decode": "services.decode",
+    }
+    address = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+
+    def args(name: str) -> list[str]:
+        if name == "router":
+            return [
+                "--port", str(ports["router"]),
+                "--encoders", f"{address['encoder-0']},{address['encoder-1']}",
+                "--prefill", address["prefill"],
+                "--decode", address["decode"],
+            ]  # fmt: skip
+        return [*model_args, "--port", str(ports[name])]
+
+    def module(name: str) -> str:
+        return modules.get(name, "services.router")
+
+    running = {name: _start(name, module(name), v1_0_tree, args(name), tmp_path) for name in names[:-1]}
+    for process in running.values():
+        process.wait_ready(120)
+    running["router"] = _start("router", "services.router", v1_0_tree, args("router"), tmp_path)
+    running["router"].wait_ready(60)
+    assert {_contract(address[n]) for n in names} == {(1, 0)}
+
+    upgraded = threading.Event()
+    log: list[str] = []
+    marks: list[float] = []  # monotonic instants: each old process gone, each new one ready
+    spans: list[tuple[float, float]] = []  # when each request started and completed
+
+    def upgrade() -> None:
+        try:
+            for name in names:  # one at a time: drain the old process, start the new one on its port
+                time.sleep(1.0)
+                old = running[name]
+                status = old.stop(timeout_s=30)
+                log.append(f"{name}: old exited {status}")
+                marks.append(time.monotonic())
+                new = _start(name, module(name), ROOT, args(name), tmp_path)
+                running[name] = new
+                new.wait_ready(120)
+                log.append(f"{name}: new ready")
+                marks.append(time.monotonic())
+        finally:
+            upgraded.set()
+
+    plan = ["image", "text", "audio", "two_images"]
+
+    async def load() -> tuple[list[tuple[str, GenerationResult | str]], int]:
+        outcomes: list[tuple[str, GenerationResult | str]] = []
+        sent = 0
+        started = time.monotonic()
+        async with open_channel(address["router"]) as channel:
+
+            async def worker() -> None:
+                nonlocal sent
+                # Until the whole upgrade is done (and 24 requests at least); bounded in count and time.
+                while (not upgraded.is_set() or sent < 24) and sent < 5000 and time.monotonic() - started < 300:
+                    name = plan[sent % len(plan)]
+                    sent += 1
+                    request = request_for(MIXES[name])
+                    begun = time.monotonic()
+                    try:
+                        outcomes.append((name, await generate(channel, request, timeout_s=120, retry_unavailable=True)))
+                        spans.append((begun, time.monotonic()))
+                    except grpc.aio.AioRpcError as exc:
+                        outcomes.append((name, f"{exc.code().name}: {exc.details()}"))
+
+            await asyncio.gather(*(worker() for _ in range(4)))
+        return outcomes, sent
+
+    thread = threading.Thread(target=upgrade)
+    thread.start()
+    try:
+        outcomes, sent = asyncio.run(load())
+    finally:
+        thread.join(300)
+        for process in running.values():
+            process.stop()
+    assert log == [f"{n}: {step}" for n in names for step in ("old exited 0", "new ready")]
+    failed = [(n, o) for n, o in outcomes if isinstance(o, str)]
+    assert not failed, failed[:5]
+    assert len(outcomes) == sent >= 24
+    # The load ran through every step: requests were in flight while each process was replaced.
+    for gone, ready in zip(marks[::2], marks[1::2], strict=True):
+        assert any(begun < ready and done > gone for begun, done in spans), (gone, ready)
+    wrong = [n for n, o in outcomes if not isinstance(o, str) and o.token_ids != expected[n]]
+    assert not wrong
+    print(f"rolling upgrade: {sent} requests sent, {len(outcomes) - len(failed)} completed, {len(failed)} failed; "
+          f"{sum(o.retries for _, o in outcomes if not isinstance(o, str))} client retries")  # fmt: skip
