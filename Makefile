@@ -12,6 +12,8 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 # Installed apart with --no-deps: its metadata would pull a CUDA torch and ~2.8 GB of CUDA wheels.
 NIXL := nixl-cu12==1.5.1
 SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
+# Debian packages: Mooncake Store's binding links libibverbs (no RDMA device is needed or used).
+SYSTEM_PACKAGES := libibverbs1
 
 .PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer
 
@@ -19,6 +21,8 @@ help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
 $(STAMP): requirements.lock pyproject.toml Makefile
+	@dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || { echo "installing $(SYSTEM_PACKAGES) (apt)"; \
+		apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null; }
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "EPD needs Python 3.11 (the CPU torch wheel is cp311); set PYTHON=")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing pinned dependencies into $(VENV) (log: $(INSTALL_LOG))"

@@ -29,8 +29,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpc_tools import protoc
-
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 SNAPSHOT_PROTO_ROOT = PROTO_ROOT / "snapshots"
@@ -137,6 +135,10 @@ def _own_pool(name: str, text: str, depth: int) -> str:
 def generate_source(source: Source, out_root: Path) -> None:
     """Write the generated package of `source` under `out_root`."""
     protos = sorted((source.proto_root / source.package_dir).glob("*.proto"))
+    # Imported here, not at module level: wirevectors.py imports this module into test processes,
+    # and protoc's bundled C++ protobuf there breaks a later NIXL import in the same interpreter.
+    from grpc_tools import protoc
+
     well_known_dir = Path(protoc.__file__).parent / "_proto"
     header = _header(source)
     with tempfile.TemporaryDirectory() as raw:

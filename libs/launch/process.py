@@ -40,7 +40,8 @@ class ServiceProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        # The service stops itself if this process dies without stopping it (libs/rpc/main.py).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "EPD_PARENT_PID": str(os.getpid()), **self.env}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.root), env.get("PYTHONPATH", "")) if p)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(

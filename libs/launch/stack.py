@@ -30,6 +30,9 @@ class StackSpec:
     model: Path = Path("var/models/qwen2_5_omni-tiny")
     run_dir: Path = Path("var/run/stack")
     torch_threads: int = 1
+    # Registered pool per model service, in MiB: committed memory, so keep it to what the model
+    # needs (the tiny checkpoint moves kilobytes; the services' own defaults suit real models).
+    pool_mib: int = 64
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service (EPD_*)
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service name
     ready_timeout_s: float = 120.0
@@ -60,7 +63,15 @@ class Stack:
         return process
 
     def _model_args(self) -> list[str]:
-        return ["--model", str(self.spec.model), "--torch-threads", str(self.spec.torch_threads)]
+        spec = self.spec
+        return [
+            "--model",
+            str(spec.model),
+            "--torch-threads",
+            str(spec.torch_threads),
+            "--pool-mib",
+            str(spec.pool_mib),
+        ]
 
     def up(self) -> str:
         """Start every service; returns the address clients call Generate on."""

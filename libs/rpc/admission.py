@@ -16,8 +16,10 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from libs.contract.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from libs.telemetry.logging import bind_request
 from libs.telemetry.stages import stage
 
 CAPABILITY = "admission.priority"
@@ -100,3 +102,13 @@ class Admission:
 def deadline_of(time_remaining: float | None) -> float | None:
     """A monotonic deadline from gRPC's `context.time_remaining()` (None: no deadline)."""
     return None if time_remaining is None else time.monotonic() + time_remaining
+
+
+@asynccontextmanager
+async def admitted(admission: Admission, request: Any, context: Any) -> AsyncIterator[float | None]:
+    """What every servicer method does first: log lines carry the request id, and the body runs in
+    an admission slot at the request's priority. Yields the request's monotonic deadline."""
+    deadline = deadline_of(context.time_remaining())
+    with bind_request(request.request_id or "-"):
+        async with admission.slot(deadline, request.priority):
+            yield deadline

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -51,6 +55,21 @@ async def serve(name: str, settings: CommonSettings, parts: ServiceParts, grace_
             await parts.close()
 
 
+def _exit_with_parent() -> None:
+    """Launched by a launcher (EPD_PARENT_PID): drain and exit if it dies without stopping us, so an
+    aborted test run or a killed `epd up` leaves no orphans holding memory and ports."""
+    parent = os.environ.get("EPD_PARENT_PID", "")
+    if not parent.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def service_main(name: str, settings_cls: type[S], setup: Callable[[S], Awaitable[ServiceParts]]) -> None:
     """Entry point of `python -m services.<name>`."""
     settings = main_settings(settings_cls, prog=f"epd-{name}")
@@ -58,6 +77,7 @@ def service_main(name: str, settings_cls: type[S], setup: Callable[[S], Awaitabl
     tracing = configure_tracing(name, "0.1.0", settings.trace_exporter, settings.trace_file, settings.otlp_endpoint)
     configure_metrics(name, settings.metrics_port)
     log = structlog.get_logger(name)
+    _exit_with_parent()
     log.info("starting", settings={k: str(v) for k, v in dataclasses.asdict(settings).items()})
 
     async def run() -> None:

@@ -155,6 +155,10 @@ class Transport:
             service_info_pb2.TransportInfo(kind=tensor_pb2.TRANSPORT_KIND_INLINE),
         ]
 
+    @property
+    def produces(self) -> bool:
+        return self._produce
+
     def held_leases(self) -> int:
         """Leases this process holds for consumers (0 without a producer)."""
         return self.producer.lease_stats().active if self.producer is not None else 0

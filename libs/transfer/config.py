@@ -48,6 +48,10 @@ class TransferConfig:
     idle_poll_s: float = 0.02
     # UCX_NET_DEVICES: "lo" confines UCX's network transports to loopback; None leaves it alone.
     ucx_net_devices: str | None = "lo"
+    # UCX_MODULES: "^ib" keeps UCX's InfiniBand modules out. Where libibverbs is installed (Mooncake
+    # needs it) but no RDMA device exists, they load anyway and crash the process at exit (SIGSEGV,
+    # measured here); reads between host processes go by CMA or TCP. None leaves it alone.
+    ucx_modules: str | None = "^ib"
     # Further UCX_* / NIXL_* variables for the agent's UCX context, e.g. (("UCX_TLS", "tcp"),).
     extra_env: tuple[tuple[str, str], ...] = ()
 
@@ -79,5 +83,7 @@ class TransferConfig:
         env = {"NIXL_LOG_LEVEL": "WARN"}
         if self.ucx_net_devices is not None:
             env["UCX_NET_DEVICES"] = self.ucx_net_devices
+        if self.ucx_modules is not None:
+            env["UCX_MODULES"] = self.ucx_modules
         env.update(dict(self.extra_env))
         return env

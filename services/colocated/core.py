@@ -55,6 +55,3 @@ class ColocatedCore:
             if usage is not None:
                 response.usage.CopyFrom(usage)
             yield response
-
-    def close(self) -> None:
-        self.engine.shutdown()

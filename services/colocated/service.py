@@ -1,4 +1,4 @@
-"""gRPC adapter of the colocated service: `GenerateService` over `ColocatedCore`."""
+"""gRPC adapter of the colocated service: `GenerateService` (+ stats) over `ColocatedCore`."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ from typing import Any
 import torch
 
 from libs.contract.epd.v1 import generate_pb2, generate_pb2_grpc, service_info_pb2
-from libs.rpc.admission import Admission, deadline_of
-from libs.rpc.drain import drainer
+from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
 from libs.serving.identity import model_identity, service_info
+from libs.serving.parts import model_service_parts
 from libs.serving.settings import ModelServiceSettings
-from libs.telemetry import bind_request
 from services.colocated.core import ColocatedCore
 
 
@@ -31,10 +30,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: Any
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        with bind_request(request.request_id or "-"):
-            async with self._admission.slot(deadline_of(context.time_remaining()), request.priority):
-                async for response in self._core.generate(request):
-                    yield response
+        async with admitted(self._admission, request, context):
+            async for response in self._core.generate(request):
+                yield response
 
 
 async def setup(settings: ColocatedSettings) -> ServiceParts:
@@ -42,22 +40,16 @@ async def setup(settings: ColocatedSettings) -> ServiceParts:
     core = ColocatedCore(settings.model, max_batch=settings.max_batch, file_root=settings.file_root)
     identity = model_identity(settings, core.runtime.weights_digest)
     admission = Admission("colocated", min(settings.max_running, settings.max_batch), settings.max_waiting)
-    info = service_info(service_info_pb2.SERVICE_ROLE_COLOCATED, identity, core.encoder.specs.values())
-
-    async def close() -> None:
-        core.close()
-
-    return ServiceParts(
-        servicers=[
-            (
-                generate_pb2_grpc.add_GenerateServiceServicer_to_server,
-                GenerateServicer(core, admission),
-                "epd.v1.GenerateService",
-            )
-        ],
-        info=lambda: info,
-        close=close,
-        drain=drainer(admission),
+    return model_service_parts(
+        (
+            generate_pb2_grpc.add_GenerateServiceServicer_to_server,
+            GenerateServicer(core, admission),
+            "epd.v1.GenerateService",
+        ),
+        admission=admission,
+        info=service_info(service_info_pb2.SERVICE_ROLE_COLOCATED, identity, core.encoder.specs.values()),
+        engine=core.engine,
+        active_sequences=lambda: core.decode.active,
     )
 
 

@@ -12,15 +12,13 @@ from libs.config import setting
 from libs.contract.epd.v1 import decode_pb2, decode_pb2_grpc, service_info_pb2
 from libs.engine.decode_runner import DecodeRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
-from libs.rpc.admission import Admission, deadline_of
-from libs.rpc.drain import drainer
+from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
 from libs.serving.engine_loop import DecodeLoop, EngineThread
 from libs.serving.identity import model_identity, service_info
-from libs.serving.servicers import stats_servicer
+from libs.serving.parts import model_service_parts
 from libs.serving.settings import ModelServiceSettings
 from libs.serving.transport import Transport, transfer_config
-from libs.telemetry import bind_request
 from services.decode.core import DecodeCore
 
 
@@ -37,46 +35,28 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self._admission = admission
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: Any) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        deadline = deadline_of(context.time_remaining())
-        with bind_request(request.request_id or "-"):
-            async with self._admission.slot(deadline, request.priority):
-                async for response in self._core.decode(request, deadline):
-                    yield response
+        async with admitted(self._admission, request, context) as deadline:
+            async for response in self._core.decode(request, deadline):
+                yield response
 
 
 async def setup(settings: DecodeSettings) -> ServiceParts:
     torch.set_num_threads(settings.torch_threads)
     runtime = LanguageModelRuntime(settings.model)
     identity = model_identity(settings, runtime.weights_digest)
-    transport = Transport(
-        transfer_config(settings, "decode"),
-        identity,
-        produce=False,
-        consume=True,
-    )
+    transport = Transport(transfer_config(settings, "decode"), identity, produce=False, consume=True)
     engine = EngineThread("decode")
     loop = DecodeLoop(DecodeRunner(runtime, max_batch=settings.max_batch), engine)
-    core = DecodeCore(runtime, loop, transport)
     # Requests beyond the decode batch wait in admission instead of failing in the runner.
     admission = Admission("decode", min(settings.max_running, settings.max_batch), settings.max_waiting)
-    info = service_info(service_info_pb2.SERVICE_ROLE_DECODE, identity, (), transport.transport_info())
-
-    async def close() -> None:
-        engine.shutdown()
-        transport.close()
-
-    return ServiceParts(
-        servicers=[
-            (
-                decode_pb2_grpc.add_DecodeServiceServicer_to_server,
-                DecodeServicer(core, admission),
-                "epd.v1.DecodeService",
-            ),
-            stats_servicer(transport, lambda: admission.running + admission.waiting, lambda: loop.active),
-        ],
-        info=lambda: info,
-        close=close,
-        drain=drainer(admission, transport.held_leases),
+    servicer = DecodeServicer(DecodeCore(runtime, loop, transport), admission)
+    return model_service_parts(
+        (decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, "epd.v1.DecodeService"),
+        admission=admission,
+        info=service_info(service_info_pb2.SERVICE_ROLE_DECODE, identity, (), transport.transport_info()),
+        engine=engine,
+        transport=transport,
+        active_sequences=lambda: loop.active,
     )
 
 

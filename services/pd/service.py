@@ -12,15 +12,13 @@ from libs.contract.epd.v1 import prefill_decode_pb2, prefill_decode_pb2_grpc, se
 from libs.engine.decode_runner import DecodeRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.prefill_runner import PrefillRunner
-from libs.rpc.admission import Admission, deadline_of
-from libs.rpc.drain import drainer
+from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
 from libs.serving.engine_loop import DecodeLoop, EngineThread
 from libs.serving.identity import model_identity, service_info
-from libs.serving.servicers import stats_servicer
+from libs.serving.parts import model_service_parts
 from libs.serving.settings import ModelServiceSettings
 from libs.serving.transport import Transport, transfer_config
-from libs.telemetry import bind_request
 from services.pd.core import PrefillDecodeCore
 
 
@@ -37,47 +35,29 @@ class PrefillDecodeServicer(prefill_decode_pb2_grpc.PrefillDecodeServiceServicer
     async def PrefillDecode(
         self, request: prefill_decode_pb2.PrefillDecodeRequest, context: Any
     ) -> AsyncIterator[prefill_decode_pb2.PrefillDecodeResponse]:
-        deadline = deadline_of(context.time_remaining())
-        with bind_request(request.request_id or "-"):
-            async with self._admission.slot(deadline, request.priority):
-                async for response in self._core.generate(request, deadline):
-                    yield response
+        async with admitted(self._admission, request, context) as deadline:
+            async for response in self._core.generate(request, deadline):
+                yield response
 
 
 async def setup(settings: PrefillDecodeSettings) -> ServiceParts:
     torch.set_num_threads(settings.torch_threads)
     runtime = LanguageModelRuntime(settings.model)
     identity = model_identity(settings, runtime.weights_digest)
-    transport = Transport(
-        transfer_config(settings, "pd"),
-        identity,
-        produce=False,
-        consume=True,
-    )
+    transport = Transport(transfer_config(settings, "pd"), identity, produce=False, consume=True)
     engine = EngineThread("pd")
     loop = DecodeLoop(DecodeRunner(runtime, max_batch=settings.max_batch), engine)
-    core = PrefillDecodeCore(PrefillRunner(runtime), loop, transport, engine)
     admission = Admission("pd", min(settings.max_running, settings.max_batch), settings.max_waiting)
-    info = service_info(
-        service_info_pb2.SERVICE_ROLE_PREFILL_DECODE, identity, runtime.expected_specs(), transport.transport_info()
-    )
-
-    async def close() -> None:
-        engine.shutdown()
-        transport.close()
-
-    return ServiceParts(
-        servicers=[
-            (
-                prefill_decode_pb2_grpc.add_PrefillDecodeServiceServicer_to_server,
-                PrefillDecodeServicer(core, admission),
-                "epd.v1.PrefillDecodeService",
-            ),
-            stats_servicer(transport, lambda: admission.running + admission.waiting, lambda: loop.active),
-        ],
-        info=lambda: info,
-        close=close,
-        drain=drainer(admission, transport.held_leases),
+    servicer = PrefillDecodeServicer(PrefillDecodeCore(PrefillRunner(runtime), loop, transport, engine), admission)
+    return model_service_parts(
+        (prefill_decode_pb2_grpc.add_PrefillDecodeServiceServicer_to_server, servicer, "epd.v1.PrefillDecodeService"),
+        admission=admission,
+        info=service_info(
+            service_info_pb2.SERVICE_ROLE_PREFILL_DECODE, identity, runtime.expected_specs(), transport.transport_info()
+        ),
+        engine=engine,
+        transport=transport,
+        active_sequences=lambda: loop.active,
     )
 
 

@@ -11,15 +11,13 @@ from libs.config import setting
 from libs.contract.epd.v1 import prefill_pb2, prefill_pb2_grpc, service_info_pb2
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.prefill_runner import PrefillRunner
-from libs.rpc.admission import Admission, deadline_of
-from libs.rpc.drain import drainer
+from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
 from libs.serving.engine_loop import EngineThread
 from libs.serving.identity import model_identity, service_info
-from libs.serving.servicers import lease_servicer, stats_servicer
+from libs.serving.parts import model_service_parts
 from libs.serving.settings import ModelServiceSettings
 from libs.serving.transport import Transport, transfer_config
-from libs.telemetry import bind_request
 from services.prefill.core import PrefillCore
 
 
@@ -36,47 +34,26 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._admission = admission
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
-        deadline = deadline_of(context.time_remaining())
-        with bind_request(request.request_id or "-"):
-            async with self._admission.slot(deadline, request.priority):
-                return await self._core.prefill(request, deadline)
+        async with admitted(self._admission, request, context) as deadline:
+            return await self._core.prefill(request, deadline)
 
 
 async def setup(settings: PrefillSettings) -> ServiceParts:
     torch.set_num_threads(settings.torch_threads)
     runtime = LanguageModelRuntime(settings.model)
     identity = model_identity(settings, runtime.weights_digest)
-    transport = Transport(
-        transfer_config(settings, "prefill"),
-        identity,
-        produce=True,
-        consume=True,
-    )
+    transport = Transport(transfer_config(settings, "prefill"), identity, produce=True, consume=True)
     engine = EngineThread("prefill")
-    core = PrefillCore(PrefillRunner(runtime), transport, engine)
     admission = Admission("prefill", settings.max_running, settings.max_waiting)
-    info = service_info(
-        service_info_pb2.SERVICE_ROLE_PREFILL, identity, runtime.expected_specs(), transport.transport_info()
-    )
-
-    async def close() -> None:
-        engine.shutdown()
-        transport.close()
-
-    return ServiceParts(
-        servicers=[
-            (
-                prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
-                PrefillServicer(core, admission),
-                "epd.v1.PrefillService",
-            ),
-            lease_servicer(transport),
-            stats_servicer(transport, lambda: admission.running + admission.waiting),
-        ],
-        info=lambda: info,
-        close=close,
-        drain=drainer(admission, transport.held_leases),
-        on_started=transport.bind_address,
+    servicer = PrefillServicer(PrefillCore(PrefillRunner(runtime), transport, engine), admission)
+    return model_service_parts(
+        (prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer, "epd.v1.PrefillService"),
+        admission=admission,
+        info=service_info(
+            service_info_pb2.SERVICE_ROLE_PREFILL, identity, runtime.expected_specs(), transport.transport_info()
+        ),
+        engine=engine,
+        transport=transport,
     )
 
 

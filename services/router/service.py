@@ -19,12 +19,11 @@ from libs.contract.epd.v1 import (
     service_info_pb2,
 )
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
-from libs.rpc.admission import Admission, deadline_of
+from libs.rpc.admission import Admission, admitted
 from libs.rpc.drain import drainer
 from libs.rpc.identity import INSTANCE_ID, SOFTWARE_VERSION
 from libs.rpc.main import ServiceParts, service_main
 from libs.rpc.peers import PeerDirectory
-from libs.telemetry import bind_request
 from services.router.core import Backends, EncoderPool, Router
 from services.router.handshake import BackendChecks
 
@@ -51,11 +50,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: Any
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        deadline = deadline_of(context.time_remaining())
-        with bind_request(request.request_id or "-"):
-            async with self._admission.slot(deadline, request.priority):
-                async for response in self._router.generate(request, deadline):
-                    yield response
+        async with admitted(self._admission, request, context) as deadline:
+            async for response in self._router.generate(request, deadline):
+                yield response
 
 
 async def setup(settings: RouterSettings) -> ServiceParts:

@@ -53,8 +53,14 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+# The 1.0 release predates `TransferConfig.ucx_modules`: where libibverbs is installed (it is, for
+# Mooncake), its UCX loads the InfiniBand modules and crashes at exit unless told not to.
+OLD_ENV = {"UCX_MODULES": "^ib"}
+
+
 def _start(name: str, module: str, root: Path, args: list[str], logs: Path) -> ServiceProcess:
-    process = ServiceProcess(name, module, args, log_path=logs / f"{name}-{root.name}.log", root=root)
+    env = OLD_ENV if root != ROOT else {}
+    process = ServiceProcess(name, module, args, log_path=logs / f"{name}-{root.name}.log", root=root, env=env)
     process.start()
     return process
 
@@ -70,7 +76,7 @@ def _contract(address: str) -> tuple[int, int]:
 def _backends(
     model: Path, roots: dict[str, Path], logs: Path, ports: dict[str, int] | None = None
 ) -> dict[str, ServiceProcess]:
-    model_args = ["--model", str(model), "--torch-threads", "1"]
+    model_args = ["--model", str(model), "--torch-threads", "1", "--pool-mib", "64"]
     procs = {}
     for name, module in (
         ("encoder-0", "services.encoder"),
@@ -145,7 +151,7 @@ def test_rolling_upgrade_under_load(
 ) -> None:
     names = ["encoder-0", "encoder-1", "prefill", "decode", "router"]
     ports = dict(zip(names, _free_ports(len(names)), strict=True))
-    model_args = ["--model", str(model_path), "--torch-threads", "1"]
+    model_args = ["--model", str(model_path), "--torch-threads", "1", "--pool-mib", "64"]
     modules = {
         "encoder-0": "services.encoder",
         "encoder-1": "services.encoder",

@@ -1,0 +1,92 @@
+"""Cache keys: what an encoder output is a function of.
+
+An entry is identified by the item's content hash (modality + processor options + bytes, the same
+digest as the engine's `media_hash`) inside a namespace that pins everything else the output depends
+on: the model (id, revision, encoder weights digest), the dtype and the contract major.minor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass
+
+from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
+from libs.engine.types import Modality, ProcessorOptions
+
+ENTRY_FORMAT_VERSION = 1  # bump when the entry layout changes; part of the store key
+KEY_PREFIX = f"epd/enc/v{ENTRY_FORMAT_VERSION}"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything besides the item that changes the encoder output."""
+
+    model_id: str
+    revision: str
+    weights_digest: str
+    dtype: str
+    contract: str = f"{CONTRACT_MAJOR}.{CONTRACT_MINOR}"
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not value:
+                raise ValueError(f"namespace field {name} must be non-empty")
+
+    @property
+    def token(self) -> str:
+        """A short stable digest of the namespace, used inside store keys."""
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def _options_json(options: ProcessorOptions) -> bytes:
+    return json.dumps(asdict(options), sort_keys=True).encode()
+
+
+def content_hash(modality: Modality, options: ProcessorOptions, data: bytes) -> str:
+    """Hex SHA-256 of modality, processor options and bytes: equal to `encoder_runner.media_hash`."""
+    digest = hashlib.sha256()
+    digest.update(modality.value.encode())
+    digest.update(_options_json(options))
+    digest.update(data)
+    return digest.hexdigest()
+
+
+def client_id_hash(modality: Modality, options: ProcessorOptions, client_id: str) -> str:
+    """Hash for an item a client names by its own id instead of bytes.
+
+    The id is never a key by itself: the options are always folded in (two requests for the same id
+    with different `max_pixels` produce different outputs) and a domain tag keeps ids from colliding
+    with content hashes.
+    """
+    if not client_id:
+        raise ValueError("client_id must be non-empty")
+    digest = hashlib.sha256(b"epd.client-id\0")
+    digest.update(modality.value.encode() + b"\0")
+    digest.update(_options_json(options) + b"\0")
+    digest.update(client_id.encode())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    namespace: Namespace
+    mm_hash: str  # 64 lowercase hex digits
+
+    def __post_init__(self) -> None:
+        if not _HEX64.match(self.mm_hash):
+            raise ValueError(f"mm_hash must be 64 lowercase hex digits, got {self.mm_hash!r}")
+
+    @property
+    def store_key(self) -> str:
+        """The Mooncake Store object key."""
+        return f"{KEY_PREFIX}/{self.namespace.token}/{self.mm_hash}"
+
+    def __str__(self) -> str:
+        return self.store_key

@@ -1,0 +1,43 @@
+"""The `ServiceParts` of a model service: its own servicer plus what every model service has (stats,
+leases when it produces tensors, drain on shutdown, engine and transport clean-up)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from libs.contract.epd.v1 import service_info_pb2
+from libs.rpc.admission import Admission
+from libs.rpc.drain import drainer
+from libs.rpc.main import Register, ServiceParts
+from libs.serving.engine_loop import EngineThread
+from libs.serving.servicers import lease_servicer, stats_servicer
+from libs.serving.transport import Transport
+
+
+def model_service_parts(
+    servicer: tuple[Register, Any, str],
+    *,
+    admission: Admission,
+    info: service_info_pb2.ServiceInfo,
+    engine: EngineThread,
+    transport: Transport | None = None,
+    active_sequences: Callable[[], int] = lambda: 0,
+) -> ServiceParts:
+    servicers = [servicer]
+    if transport is not None and transport.produces:
+        servicers.append(lease_servicer(transport))
+    servicers.append(stats_servicer(transport, lambda: admission.running + admission.waiting, active_sequences))
+
+    async def close() -> None:
+        engine.shutdown()
+        if transport is not None:
+            transport.close()
+
+    return ServiceParts(
+        servicers=servicers,
+        info=lambda: info,
+        close=close,
+        drain=drainer(admission, transport.held_leases if transport is not None else lambda: 0),
+        on_started=transport.bind_address if transport is not None else None,
+    )

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from libs.cache.keys import CacheKey, Namespace, client_id_hash, content_hash
+from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
+from libs.engine.types import MediaInput, Modality, ProcessorOptions
+from tests.cache.helpers import NS
+
+
+def test_content_hash_is_the_engines_media_hash() -> None:
+    from libs.engine.encoder_runner import media_hash
+
+    for modality in Modality:
+        for options in (ProcessorOptions(), ProcessorOptions(max_pixels=256 * 28 * 28, video_fps=1.0)):
+            media = MediaInput(modality, b"\x00bytes\xff", options=options)
+            assert content_hash(modality, options, media.data) == media_hash(media)
+
+
+def test_options_and_modality_change_the_hash() -> None:
+    base = content_hash(Modality.IMAGE, ProcessorOptions(), b"x")
+    assert content_hash(Modality.IMAGE, ProcessorOptions(max_pixels=1000), b"x") != base
+    assert content_hash(Modality.VIDEO, ProcessorOptions(), b"x") != base
+    assert content_hash(Modality.IMAGE, ProcessorOptions(), b"y") != base
+
+
+def test_client_ids_are_hashed_with_the_options() -> None:
+    plain = client_id_hash(Modality.IMAGE, ProcessorOptions(), "cat.png")
+    resized = client_id_hash(Modality.IMAGE, ProcessorOptions(max_pixels=1000), "cat.png")
+    assert plain != resized
+    assert "cat.png" not in plain and len(plain) == 64
+    # An id can never alias the content hash of bytes equal to it.
+    assert plain != content_hash(Modality.IMAGE, ProcessorOptions(), b"cat.png")
+    with pytest.raises(ValueError):
+        client_id_hash(Modality.IMAGE, ProcessorOptions(), "")
+
+
+def test_namespace_defaults_to_this_contract_and_every_field_changes_the_token() -> None:
+    assert NS.contract == f"{CONTRACT_MAJOR}.{CONTRACT_MINOR}"
+    tokens = {NS.token}
+    for field in dataclasses.fields(Namespace):
+        tokens.add(dataclasses.replace(NS, **{field.name: "other"}).token)
+    assert len(tokens) == 1 + len(dataclasses.fields(Namespace))
+    with pytest.raises(ValueError):
+        dataclasses.replace(NS, weights_digest="")
+
+
+def test_store_key_is_namespaced_and_validated() -> None:
+    mm_hash = content_hash(Modality.AUDIO, ProcessorOptions(), b"a")
+    key = CacheKey(NS, mm_hash)
+    other = CacheKey(dataclasses.replace(NS, revision="r2"), mm_hash)
+    assert key.store_key.startswith("epd/enc/v1/") and key.store_key.endswith(mm_hash)
+    assert key.store_key != other.store_key
+    for bad in ("", "ABC", mm_hash.upper(), mm_hash[:-1], "../" + mm_hash[3:]):
+        with pytest.raises(ValueError):
+            CacheKey(NS, bad)

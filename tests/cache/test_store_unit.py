@@ -1,0 +1,123 @@
+"""MooncakeStoreClient against a fake binding: codes, deadlines, breaker. No processes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+
+import pytest
+
+from libs.cache.breaker import BreakerState
+from libs.cache.store import (
+    NO_AVAILABLE_HANDLE,
+    RPC_FAIL,
+    TRANSFER_FAIL,
+    MooncakeStoreClient,
+    StoreConfig,
+    StoreStatus,
+    classify,
+)
+from tests.cache.helpers import FakeMooncake, Metrics
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def client(fake: FakeMooncake, metrics: Metrics | None = None, **overrides: float) -> MooncakeStoreClient:
+    config = StoreConfig("127.0.0.1:1", op_timeout_s=0.3, failures_to_open=2, cooldown_s=0.5, workers=2)
+    config = dataclasses.replace(config, **overrides)  # type: ignore[arg-type]
+    return MooncakeStoreClient(config, factory=lambda: fake, meter=(metrics or Metrics()).meter)
+
+
+def test_codes_map_to_statuses() -> None:
+    assert classify(0) is StoreStatus.OK
+    assert classify(-704) is StoreStatus.NOT_FOUND
+    assert classify(NO_AVAILABLE_HANDLE) is StoreStatus.FULL
+    assert classify(RPC_FAIL) is StoreStatus.UNAVAILABLE
+    assert classify(TRANSFER_FAIL) is StoreStatus.UNAVAILABLE
+    assert classify(-12345) is StoreStatus.ERROR
+
+
+def test_put_get_exists_remove_and_metrics() -> None:
+    metrics = Metrics()
+    fake = FakeMooncake()
+    store = client(fake, metrics)
+    assert store.get("k").status is StoreStatus.NOT_FOUND
+    assert store.put("k", b"abc").ok
+    assert store.get("k").data == b"abc"
+    assert store.exists("k").ok and store.exists("nope").status is StoreStatus.NOT_FOUND
+    assert store.remove("k").ok and store.get("k").status is StoreStatus.NOT_FOUND
+    assert asyncio.run(store.aget("nope")).status is StoreStatus.NOT_FOUND
+    assert fake.calls.count("setup") == 1
+    counts = metrics.counters()
+    assert counts[("epd.cache.store.ops", "get,not_found")] == 3
+    assert counts[("epd.cache.store.ops", "put,ok")] == 1
+
+
+def test_short_read_is_unavailable_not_a_hit() -> None:
+    fake = FakeMooncake()
+    store = client(fake)
+    store.put("k", b"abc")
+    fake.get = lambda key: b""  # type: ignore[method-assign]  # what the binding returns on TRANSFER_FAIL
+    result = store.get("k")
+    assert result.status is StoreStatus.UNAVAILABLE and result.data is None
+
+
+def test_entries_larger_than_the_transfer_buffer_are_refused_up_front() -> None:
+    fake = FakeMooncake()
+    store = client(fake, local_buffer_size=10)
+    assert store.put("k", b"x" * 11).status is StoreStatus.TOO_LARGE
+    assert "put" not in fake.calls
+    fake.objects["big"] = b"x" * 11
+    assert store.get("big").status is StoreStatus.TOO_LARGE
+
+
+def test_binding_exceptions_and_failed_setup_never_escape() -> None:
+    fake = FakeMooncake()
+
+    def boom(name: str) -> None:
+        if name == "put":
+            raise RuntimeError("binding bug")
+
+    fake.hook = boom
+    assert client(fake).put("k", b"v").status is StoreStatus.ERROR
+    down = client(FakeMooncake(setup_code=-1))
+    assert down.get("k").status is StoreStatus.UNAVAILABLE
+
+
+def test_a_frozen_store_costs_one_deadline_then_the_breaker_answers_at_once() -> None:
+    release = threading.Event()
+    fake = FakeMooncake()
+    store = client(fake)
+    store.put("k", b"v")
+    fake.hook = lambda name: release.wait(10)  # every call hangs, as against a SIGSTOPped master
+    started = time.monotonic()
+    assert store.get("k").status is StoreStatus.UNAVAILABLE
+    assert store.get("k").status is StoreStatus.UNAVAILABLE
+    assert time.monotonic() - started < 1.5  # two 0.3 s deadlines, not the binding's 30 s
+    assert store.breaker.state is BreakerState.OPEN
+    started = time.monotonic()
+    for _ in range(50):
+        assert store.get("k").detail == "circuit open"
+    assert time.monotonic() - started < 0.1
+    # The store comes back: after the cooldown one probe goes through and closes the breaker.
+    release.set()
+    fake.hook = None
+    time.sleep(0.6)
+    assert store.get("k").data == b"v"
+    assert store.breaker.state.value == "closed"
+
+
+def test_stuck_workers_bound_the_threads_used() -> None:
+    release = threading.Event()
+    fake = FakeMooncake()
+    store = client(fake, failures_to_open=100)
+    store.put("k", b"v")
+    fake.hook = lambda name: release.wait(10)
+    before = threading.active_count()
+    for _ in range(5):
+        assert store.get("k").status is StoreStatus.UNAVAILABLE
+    assert store.get("k").detail == "all store workers busy"
+    assert threading.active_count() == before  # no thread per call
+    release.set()
