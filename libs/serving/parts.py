@@ -23,6 +23,7 @@ def model_service_parts(
     engine: EngineThread,
     transport: Transport | None = None,
     active_sequences: Callable[[], int] = lambda: 0,
+    on_close: Callable[[], None] = lambda: None,
 ) -> ServiceParts:
     servicers = [servicer]
     if transport is not None and transport.produces:
@@ -30,6 +31,7 @@ def model_service_parts(
     servicers.append(stats_servicer(transport, lambda: admission.running + admission.waiting, active_sequences))
 
     async def close() -> None:
+        on_close()
         engine.shutdown()
         if transport is not None:
             transport.close()

@@ -9,11 +9,17 @@ some items were placed, those leases are released before the error goes back.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+from opentelemetry import trace
+
+from libs.cache.cache import EncoderCache
+from libs.cache.entry import CacheEntry
 from libs.contract.epd.v1 import encoder_pb2, layout_pb2, tensor_pb2
 from libs.contract.validation import Limits, validate_encode_request
-from libs.engine.encoder_runner import EncoderRunner
+from libs.engine.encoder_runner import EncoderRunner, media_hash
+from libs.engine.types import EncodedItem, MediaInput
 from libs.serving import convert
 from libs.serving.encoding import encode_items
 from libs.serving.engine_loop import EngineThread
@@ -31,12 +37,14 @@ class EncoderCore:
         *,
         limits: Limits | None = None,
         file_root: Path | None = None,
+        cache: EncoderCache | None = None,
     ) -> None:
         self.runner = runner
         self.transport = transport
         self.engine = engine
         self.limits = limits or Limits()
         self.file_root = file_root
+        self.cache = cache
 
     async def encode(self, request: encoder_pb2.EncodeRequest) -> encoder_pb2.EncodeResponse:
         validate_encode_request(request, self.limits)
@@ -53,7 +61,10 @@ class EncoderCore:
             )
             for i, item in enumerate(request.items)
         ]
-        encoded = await encode_items(self.engine, self.runner, media)
+        if self.cache is None:
+            encoded = await encode_items(self.engine, self.runner, media)
+        else:
+            encoded = list(await asyncio.gather(*(self._through_cache(self.cache, m) for m in media)))
         nixl = tensor_pb2.TRANSPORT_KIND_NIXL in request.accepted_transports
         producer = self.transport.producer
         assert producer is not None, "the transport is bound once the server listens"
@@ -74,3 +85,17 @@ class EncoderCore:
             producer.release(i.embeddings.lease_id for i in response.items)
             raise
         return response
+
+    async def _through_cache(self, cache: EncoderCache, media: MediaInput) -> EncodedItem:
+        """Local cache, then the shared store, then the tower; concurrent requests for one item
+        compute it once (single-flight) and later ones reuse it."""
+
+        async def compute() -> CacheEntry:
+            (item,) = await encode_items(self.engine, self.runner, [media])
+            return CacheEntry.from_item(cache.namespace, item)
+
+        result = await cache.get_or_compute(cache.key(media_hash(media)), compute)
+        trace.get_current_span().add_event(
+            "epd.cache", {"epd.cache.source": result.source.value, "epd.cache.shared": result.shared}
+        )
+        return result.entry.to_item(media.item_index)

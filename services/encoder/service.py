@@ -7,8 +7,14 @@ from typing import Any
 
 import torch
 
+from libs.cache.cache import CacheConfig, EncoderCache
+from libs.cache.keys import Namespace
+from libs.cache.store import MooncakeStoreClient, StoreConfig
+from libs.config import setting
 from libs.contract.epd.v1 import encoder_pb2, encoder_pb2_grpc, service_info_pb2
+from libs.contract.epd.v1.service_info_pb2 import ModelIdentity
 from libs.engine.encoder_runner import EncoderRunner
+from libs.engine.types import dtype_name
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
 from libs.serving.engine_loop import EngineThread
@@ -22,6 +28,9 @@ from services.encoder.core import EncoderCore
 @dataclasses.dataclass(frozen=True)
 class EncoderSettings(ModelServiceSettings):
     """Encoder: media -> embeddings held in a registered pool for prefill to read."""
+
+    cache_mib: int = setting(256, "in-process encoder-output cache (LRU), in MiB; 0 disables caching")
+    cache_master: str = setting("", "Mooncake Store master (HOST:PORT) shared by encoders; empty: local cache only")
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
@@ -41,7 +50,9 @@ async def setup(settings: EncoderSettings) -> ServiceParts:
     transport = Transport(transfer_config(settings, "encoder"), identity, produce=True, consume=False)
     engine = EngineThread("encoder")
     admission = Admission("encoder", settings.max_running, settings.max_waiting)
-    servicer = EncoderServicer(EncoderCore(runner, transport, engine, file_root=settings.file_root), admission)
+    cache = _cache(settings, runner, identity)
+    core = EncoderCore(runner, transport, engine, file_root=settings.file_root, cache=cache)
+    servicer = EncoderServicer(core, admission)
     return model_service_parts(
         (encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer, "epd.v1.EncoderService"),
         admission=admission,
@@ -50,6 +61,18 @@ async def setup(settings: EncoderSettings) -> ServiceParts:
         ),
         engine=engine,
         transport=transport,
+        on_close=cache.close if cache is not None else lambda: None,
+    )
+
+
+def _cache(settings: EncoderSettings, runner: EncoderRunner, identity: ModelIdentity) -> EncoderCache | None:
+    """The encoder-output cache: local LRU, in front of Mooncake Store when a master is configured."""
+    if settings.cache_mib <= 0:
+        return None
+    namespace = Namespace(identity.model_id, identity.revision, identity.weights_digest, dtype_name(runner.dtype))
+    store = MooncakeStoreClient(StoreConfig(settings.cache_master)) if settings.cache_master else None
+    return EncoderCache(
+        namespace, store=store, config=CacheConfig(local_max_bytes=settings.cache_mib << 20), specs=runner.specs
     )
 
 
