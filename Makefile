@@ -15,7 +15,7 @@ SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 # Debian packages: Mooncake Store's binding links libibverbs (no RDMA device is needed or used).
 SYSTEM_PACKAGES := libibverbs1
 
-.PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer
+.PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer bench-cache
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -65,6 +65,9 @@ models: $(MODEL_DIR)/config.json ## generate the tiny Qwen2.5-Omni checkpoint (s
 
 bench-engine: deps ## CPU time per engine stage, tiny and ~100M checkpoints (not part of make test)
 	$(PY) tests/benchmarks/bench_engine.py --sizes tiny small
+
+bench-cache: deps ## reassignment experiment: encodes and p90 TTFT with/without the shared store (not in make test)
+	$(PY) tests/benchmarks/bench_cache.py --size small --requests 16 --images 2
 
 bench-transfer: deps ## NIXL vs memcpy vs inline gRPC throughput, 64 KiB latency (not part of make test)
 	$(PY) tests/benchmarks/bench_transfer.py

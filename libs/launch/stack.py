@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from libs.cache.process import StoreProcesses, start_store
 from libs.launch.process import LaunchError, ServiceProcess
 
 LAYOUTS = ("colocated", "e+pd", "e/p/d")
@@ -33,6 +34,9 @@ class StackSpec:
     # Registered pool per model service, in MiB: committed memory, so keep it to what the model
     # needs (the tiny checkpoint moves kilobytes; the services' own defaults suit real models).
     pool_mib: int = 64
+    # Start a Mooncake Store (master + storage holder) and point every encoder's cache at it.
+    cache_store: bool = False
+    cache_store_mib: int = 256  # memory the holder lends the store, in MiB
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service (EPD_*)
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service name
     ready_timeout_s: float = 120.0
@@ -49,6 +53,7 @@ class Stack:
         self.spec = spec
         self.processes: dict[str, ServiceProcess] = {}
         self.address = ""
+        self.store: StoreProcesses | None = None
 
     def _process(self, name: str, module: str, args: list[str]) -> ServiceProcess:
         spec = self.spec
@@ -83,9 +88,11 @@ class Stack:
                 colocated.start()
                 self.address = colocated.wait_ready(spec.ready_timeout_s)
                 return self.address
-            encoders = [
-                self._process(f"encoder-{i}", "services.encoder", self._model_args()) for i in range(spec.encoders)
-            ]
+            encoder_args = self._model_args()
+            if spec.cache_store:
+                self.store = start_store(spec.run_dir / "store", segment_size=spec.cache_store_mib << 20)
+                encoder_args += ["--cache-master", self.store.master_address]
+            encoders = [self._process(f"encoder-{i}", "services.encoder", encoder_args) for i in range(spec.encoders)]
             backends = (
                 [
                     self._process("prefill", "services.prefill", self._model_args()),
@@ -115,7 +122,11 @@ class Stack:
     def down(self) -> dict[str, int | None]:
         """Stop the router first (no new work), then the back ends; returns exit statuses."""
         order = sorted(self.processes, key=lambda n: 0 if n == "router" else 1)
-        return {name: self.processes[name].stop() for name in order}
+        statuses = {name: self.processes[name].stop() for name in order}
+        if self.store is not None:
+            self.store.stop()
+            self.store = None
+        return statuses
 
     @contextmanager
     def running(self) -> Iterator[Stack]:
