@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_LISTENING = re.compile(r"listening on (\S+:\d+)")
+# "<service> listening on HOST:PORT" alone on a line (libs/rpc/main.py); anchored, because libraries
+# the service loads (Mooncake) log "listening on" lines of their own.
+_LISTENING = re.compile(r"^[a-z_]+ listening on (\S+:\d+)$", re.MULTILINE)
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -24,6 +24,7 @@ def model_service_parts(
     transport: Transport | None = None,
     active_sequences: Callable[[], int] = lambda: 0,
     on_close: Callable[[], None] = lambda: None,
+    on_listening: Callable[[str], object] | None = None,
 ) -> ServiceParts:
     servicers = [servicer]
     if transport is not None and transport.produces:
@@ -41,5 +42,12 @@ def model_service_parts(
         info=lambda: info,
         close=close,
         drain=drainer(admission, transport.held_leases if transport is not None else lambda: 0),
-        on_started=transport.bind_address if transport is not None else None,
+        on_started=lambda address: _started(address, transport, on_listening),
     )
+
+
+def _started(address: str, transport: Transport | None, then: Callable[[str], object] | None) -> None:
+    if transport is not None:
+        transport.bind_address(address)
+    if then is not None:
+        then(address)

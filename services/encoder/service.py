@@ -50,7 +50,7 @@ async def setup(settings: EncoderSettings) -> ServiceParts:
     transport = Transport(transfer_config(settings, "encoder"), identity, produce=True, consume=False)
     engine = EngineThread("encoder")
     admission = Admission("encoder", settings.max_running, settings.max_waiting)
-    cache = _cache(settings, runner, identity)
+    cache, store = _cache(settings, runner, identity)
     core = EncoderCore(runner, transport, engine, file_root=settings.file_root, cache=cache)
     servicer = EncoderServicer(core, admission)
     return model_service_parts(
@@ -62,18 +62,23 @@ async def setup(settings: EncoderSettings) -> ServiceParts:
         engine=engine,
         transport=transport,
         on_close=cache.close if cache is not None else lambda: None,
+        # Set the store client up before taking requests (inside the first lookup, the set-up would
+        # exceed the lookup's deadline: a miss), and only once our gRPC port is bound: Mooncake's
+        # transfer engine picks its own listening ports and must not take the one we announce.
+        on_listening=(lambda _: store.connect()) if store is not None else None,
     )
 
 
-def _cache(settings: EncoderSettings, runner: EncoderRunner, identity: ModelIdentity) -> EncoderCache | None:
+def _cache(
+    settings: EncoderSettings, runner: EncoderRunner, identity: ModelIdentity
+) -> tuple[EncoderCache | None, MooncakeStoreClient | None]:
     """The encoder-output cache: local LRU, in front of Mooncake Store when a master is configured."""
     if settings.cache_mib <= 0:
-        return None
+        return None, None
     namespace = Namespace(identity.model_id, identity.revision, identity.weights_digest, dtype_name(runner.dtype))
     store = MooncakeStoreClient(StoreConfig(settings.cache_master)) if settings.cache_master else None
-    return EncoderCache(
-        namespace, store=store, config=CacheConfig(local_max_bytes=settings.cache_mib << 20), specs=runner.specs
-    )
+    config = CacheConfig(local_max_bytes=settings.cache_mib << 20)
+    return EncoderCache(namespace, store=store, config=config, specs=runner.specs), store
 
 
 def main() -> None:
