@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -22,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from libs.launch.process import free_port
 
 HOST = "127.0.0.1"
 log = logging.getLogger(__name__)
@@ -42,12 +43,6 @@ def mooncake_binary(name: str) -> Path:
     if not os.access(path, os.X_OK):
         path.chmod(path.stat().st_mode | 0o111)
     return path
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:

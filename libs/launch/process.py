@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,13 @@ from pathlib import Path
 # the service loads (Mooncake) log "listening on" lines of their own.
 _LISTENING = re.compile(r"^[a-z_]+ listening on (\S+:\d+)$", re.MULTILINE)
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now (for services started with a fixed --port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class LaunchError(RuntimeError):

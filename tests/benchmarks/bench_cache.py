@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,13 +29,8 @@ from libs.client.generate import GenerationResult, build_request, generate, open
 from libs.contract.epd.v1 import generate_pb2, media_pb2, sampling_pb2  # noqa: E402
 from libs.engine.checkpoints import ensure_checkpoint  # noqa: E402
 from libs.engine.media import synthetic  # noqa: E402
+from libs.launch.process import free_port  # noqa: E402
 from libs.launch.stack import Stack, StackSpec  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _requests(n: int, k: int) -> list[generate_pb2.GenerateRequest]:
@@ -66,7 +60,7 @@ def _computes(port: int) -> int:
 def _phase(
     name: str, model: Path, run_dir: Path, master: str, requests: list[generate_pb2.GenerateRequest]
 ) -> tuple[int, float]:
-    port = _free_port()
+    port = free_port()
     args = ["--metrics-port", str(port)] + (["--cache-master", master] if master else [])
     spec = StackSpec(layout="e/p/d", encoders=1, model=model, run_dir=run_dir / name, extra_args={"encoder-0": args})
     with Stack(spec).running() as stack:

@@ -4,7 +4,6 @@ major, model, role or embedding spec is FAILED_PRECONDITION; a dead address is U
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
@@ -12,6 +11,7 @@ from libs.contract import version
 from libs.contract.epd.v1 import media_pb2, service_info_pb2, tensor_pb2
 from libs.contract.errors import FailedPrecondition, Unavailable
 from libs.contract.version import CONTRACT_MINOR
+from libs.launch.process import free_port
 from libs.rpc.peers import PeerDirectory, check_embedding_specs
 from libs.rpc.server import EpdServer, ServerOptions
 
@@ -41,12 +41,6 @@ class Peer:
     def __call__(self) -> service_info_pb2.ServiceInfo:
         self.calls += 1
         return self.info
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_handshake_checks_and_caches() -> None:
@@ -87,7 +81,7 @@ def test_handshake_checks_and_caches() -> None:
 
             gone = PeerDirectory(roles=[ENCODER], timeout_s=1.0)
             with pytest.raises(Unavailable, match="unreachable"):
-                await gone.info(f"127.0.0.1:{_free_port()}")
+                await gone.info(f"127.0.0.1:{free_port()}")
             await gone.close()
         finally:
             await peers.close()

@@ -5,7 +5,6 @@ still gets its own embedding handle (pools back to empty)."""
 from __future__ import annotations
 
 import re
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -15,14 +14,9 @@ import pytest
 from libs.client.generate import build_request
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
 from libs.engine.media import synthetic
+from libs.launch.process import free_port
 from libs.launch.stack import Stack, StackSpec
 from tests.services.conftest import run_requests, wait_pools_empty
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _counter(text: str, name: str) -> float:
@@ -32,7 +26,7 @@ def _counter(text: str, name: str) -> float:
 
 @pytest.mark.timeout(180)
 def test_same_new_image_is_encoded_once(model_path: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     spec = StackSpec(
         layout="e/p/d",
         encoders=1,
@@ -61,7 +55,7 @@ def test_same_new_image_is_encoded_once(model_path: Path, tmp_path: Path) -> Non
 
 @pytest.mark.timeout(180)
 def test_second_encoder_loads_from_the_shared_store(model_path: Path, tmp_path: Path) -> None:
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     spec = StackSpec(
         layout="e/p/d",
         encoders=2,

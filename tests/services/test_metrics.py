@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from libs.launch.process import ServiceProcess
+from libs.launch.process import ServiceProcess, free_port
 from tests.services.conftest import MIXES, run_requests
 from tests.services.golden import request_for
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(120)
 def test_prometheus_endpoint_serves_stage_histograms(model_path: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     service = ServiceProcess(
         "colocated",
         "services.colocated",

@@ -5,7 +5,6 @@ both directions, and a rolling upgrade of a running stack, one service at a time
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import threading
 import time
@@ -17,7 +16,7 @@ import pytest
 
 from libs.client.generate import GenerationResult, generate, open_channel
 from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
-from libs.launch.process import ROOT, ServiceProcess
+from libs.launch.process import ROOT, ServiceProcess, free_port
 from tests.services.conftest import MIXES
 from tests.services.golden import request_for
 
@@ -41,16 +40,6 @@ def v1_0_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True)
         subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 # The 1.0 release predates `TransferConfig.ucx_modules`: where libibverbs is installed (it is, for
@@ -150,7 +139,9 @@ def test_rolling_upgrade_under_load(
     v1_0_tree: Path, model_path: Path, expected: dict[str, list[int]], tmp_path: Path
 ) -> None:
     names = ["encoder-0", "encoder-1", "prefill", "decode", "router"]
-    ports = dict(zip(names, _free_ports(len(names)), strict=True))
+    ports: dict[str, int] = {}
+    while len(set(ports.values())) < len(names):  # fixed and distinct, for the whole upgrade
+        ports = {name: free_port() for name in names}
     model_args = ["--model", str(model_path), "--torch-threads", "1", "--pool-mib", "64"]
     modules = {
         "encoder-0": "services.encoder",
