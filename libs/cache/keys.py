@@ -10,11 +10,18 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Literal
 
+from libs.contract.epd.v1 import media_pb2
 from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
-from libs.engine.types import Modality, ProcessorOptions
 
+if TYPE_CHECKING:  # no runtime import: the router hashes items without loading torch
+    from libs.engine.types import Modality, ProcessorOptions
+
+# Capability of encoders that honor `EncodeRequest.cache_policy` = CACHE_POLICY_CACHED_ONLY (1.2).
+CACHED_ONLY = "encoder.cached_only"
 ENTRY_FORMAT_VERSION = 1  # bump when the entry layout changes; part of the store key
 KEY_PREFIX = f"epd/enc/v{ENTRY_FORMAT_VERSION}"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -41,21 +48,44 @@ class Namespace:
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
 
+    @property
+    def key_prefix(self) -> str:
+        """Prefix of every store key in this namespace (advertised in `EncoderCacheInfo.key_prefix`)."""
+        return f"{KEY_PREFIX}/{self.token}"
+
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
 
 
-def _options_json(options: ProcessorOptions) -> bytes:
-    return json.dumps(asdict(options), sort_keys=True).encode()
+# The wire's ProcessorOptions fields that change the output, as named in the engine's ProcessorOptions.
+OptionField = Literal["min_pixels", "max_pixels", "video_fps", "video_max_frames"]
+OPTION_FIELDS: tuple[OptionField, ...] = ("min_pixels", "max_pixels", "video_fps", "video_max_frames")
+
+
+def _options_json(options: Mapping[str, object]) -> bytes:
+    return json.dumps(dict(options), sort_keys=True).encode()
+
+
+def _digest(modality: str, options: Mapping[str, object], data: bytes) -> str:
+    digest = hashlib.sha256()
+    digest.update(modality.encode())
+    digest.update(_options_json(options))
+    digest.update(data)
+    return digest.hexdigest()
 
 
 def content_hash(modality: Modality, options: ProcessorOptions, data: bytes) -> str:
     """Hex SHA-256 of modality, processor options and bytes: equal to `encoder_runner.media_hash`."""
-    digest = hashlib.sha256()
-    digest.update(modality.value.encode())
-    digest.update(_options_json(options))
-    digest.update(data)
-    return digest.hexdigest()
+    return _digest(modality.value, asdict(options), data)
+
+
+def wire_content_hash(item: media_pb2.MediaItem, data: bytes) -> str:
+    """`content_hash` of a wire media item whose source resolved to `data` (what the router computes
+    to find an item in the store before any encoder sees it)."""
+    opts = item.processor_options
+    options: dict[str, object] = {name: getattr(opts, name) if opts.HasField(name) else None for name in OPTION_FIELDS}
+    modality = media_pb2.Modality.Name(item.modality).removeprefix("MODALITY_").lower()
+    return _digest(modality, options, data)
 
 
 def client_id_hash(modality: Modality, options: ProcessorOptions, client_id: str) -> str:
@@ -69,7 +99,7 @@ def client_id_hash(modality: Modality, options: ProcessorOptions, client_id: str
         raise ValueError("client_id must be non-empty")
     digest = hashlib.sha256(b"epd.client-id\0")
     digest.update(modality.value.encode() + b"\0")
-    digest.update(_options_json(options) + b"\0")
+    digest.update(_options_json(asdict(options)) + b"\0")
     digest.update(client_id.encode())
     return digest.hexdigest()
 
@@ -86,7 +116,7 @@ class CacheKey:
     @property
     def store_key(self) -> str:
         """The Mooncake Store object key."""
-        return f"{KEY_PREFIX}/{self.namespace.token}/{self.mm_hash}"
+        return f"{self.namespace.key_prefix}/{self.mm_hash}"
 
     def __str__(self) -> str:
         return self.store_key

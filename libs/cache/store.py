@@ -85,16 +85,19 @@ class StoreConfig:
     setup_timeout_s: float = 10.0
     failures_to_open: int = 3
     cooldown_s: float = 5.0
-    workers: int = 4  # also the most calls in flight; a stuck call holds one
+    workers: int = 4  # the most calls in flight; a stuck call holds one
+    max_pending: int = 32  # calls queued for a worker; beyond that a call is UNAVAILABLE at once
 
 
 class StoreClient(Protocol):
     """What `EncoderCache` needs from a store; `MooncakeStoreClient` is the real one."""
 
+    def connect(self) -> StoreResult: ...
     def get(self, key: str) -> StoreResult: ...
     async def aget(self, key: str) -> StoreResult: ...
     def put(self, key: str, data: bytes) -> StoreResult: ...
     def exists(self, key: str) -> StoreResult: ...
+    async def aexists(self, key: str) -> StoreResult: ...
     def remove(self, key: str) -> StoreResult: ...
     def close(self) -> None: ...
 
@@ -106,20 +109,23 @@ def _mooncake_factory() -> Any:
 
 
 class _Workers:
-    """Daemon threads (a stuck native call must not hold up interpreter exit, as a pool's would)."""
+    """Daemon threads (a stuck native call must not hold up interpreter exit, as a pool's would),
+    with at most `max_pending` calls queued behind the running ones."""
 
-    def __init__(self, count: int, name: str) -> None:
+    def __init__(self, count: int, name: str, max_pending: int = 0) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.SimpleQueue()
-        self._busy = 0
+        self._busy = 0  # running + queued
         self._lock = threading.Lock()
         self.count = count
+        self.max_pending = max_pending
         for i in range(count):
             threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True).start()
 
     def try_submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any] | None:
-        """None when every worker is busy (e.g. stuck in a call to a frozen store)."""
+        """None when every worker is busy and the queue full (e.g. stuck in calls to a frozen store).
+        A caller that stops waiting cancels its future: a queued call then never runs."""
         with self._lock:
-            if self._busy >= self.count:
+            if self._busy >= self.count + self.max_pending:
                 return None
             self._busy += 1
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -155,7 +161,7 @@ class MooncakeStoreClient:
         self._factory = factory
         self._client: Any = None
         self._setup_lock = threading.Lock()
-        self._workers = _Workers(config.workers, "mooncake-store")
+        self._workers = _Workers(config.workers, "mooncake-store", config.max_pending)
         self.breaker = CircuitBreaker(config.failures_to_open, config.cooldown_s, clock)
         self._clock = clock
         self._last_warned: dict[tuple[str, StoreStatus], float] = {}
@@ -183,13 +189,10 @@ class MooncakeStoreClient:
         return self._call("put", lambda c: self._code_result(c.put(key, data)))
 
     def exists(self, key: str) -> StoreResult:
-        def run(c: Any) -> StoreResult:
-            code = c.is_exist(key)  # 1 present, 0 absent, negative on failure
-            if code < 0:
-                return self._code_result(code)
-            return StoreResult(StoreStatus.OK if code == 1 else StoreStatus.NOT_FOUND, code=code)
+        return self._call("exists", lambda c: self._exists(c, key))
 
-        return self._call("exists", run)
+    async def aexists(self, key: str) -> StoreResult:
+        return await self._acall("exists", lambda c: self._exists(c, key))
 
     def remove(self, key: str) -> StoreResult:
         # force: a get just granted this key a lease, and a poisoned entry must go now.
@@ -206,6 +209,12 @@ class MooncakeStoreClient:
     @staticmethod
     def _code_result(code: int) -> StoreResult:
         return StoreResult(classify(code), code=code)
+
+    def _exists(self, client: Any, key: str) -> StoreResult:
+        code = client.is_exist(key)  # 1 present, 0 absent, negative on failure
+        if code < 0:
+            return self._code_result(code)
+        return StoreResult(StoreStatus.OK if code == 1 else StoreStatus.NOT_FOUND, code=code)
 
     def _get(self, client: Any, key: str) -> StoreResult:
         # `get` returns b"" for a missing key and for every failure alike, so ask the size first.
@@ -274,6 +283,7 @@ class MooncakeStoreClient:
         try:
             result: StoreResult = submitted.result(timeout=timeout or self.config.op_timeout_s)
         except concurrent.futures.TimeoutError:
+            submitted.cancel()  # still queued: never runs
             result = StoreResult(StoreStatus.UNAVAILABLE, detail=f"{op} timed out")
         return self._finish(op, result)
 

@@ -46,6 +46,12 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--trace-file", type=Path, default=Path("var/traces/spans.jsonl"), help="for jsonl")
     parser.add_argument("--otlp-endpoint", default="127.0.0.1:4317", help="collector address, for otlp")
+    parser.add_argument(
+        "--cache-store",
+        action="store_true",
+        help="start a Mooncake Store (master + holder) that the encoders share and the router looks items up in",
+    )
+    parser.add_argument("--cache-store-mib", type=int, default=256, help="memory the store's holder lends, in MiB")
 
 
 def _spec(ns: argparse.Namespace) -> StackSpec:
@@ -54,7 +60,15 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
         "EPD_TRACE_FILE": str(ns.trace_file.resolve()),
         "EPD_OTLP_ENDPOINT": ns.otlp_endpoint,
     }
-    return StackSpec(layout=ns.layout, encoders=ns.encoders, model=ensure_model(ns.model), run_dir=ns.run_dir, env=env)
+    return StackSpec(
+        layout=ns.layout,
+        encoders=ns.encoders,
+        model=ensure_model(ns.model),
+        run_dir=ns.run_dir,
+        env=env,
+        cache_store=ns.cache_store,
+        cache_store_mib=ns.cache_store_mib,
+    )
 
 
 def cmd_up(ns: argparse.Namespace) -> int:

@@ -432,6 +432,8 @@ def validate_encode_request(req: encoder_pb2.EncodeRequest, limits: Limits = DEF
             raise _fail(f"items[{i}].media", "is required")
         validate_media_item(item.media, f"items[{i}].media", limits)
     _validate_transports(req.accepted_transports, "accepted_transports")
+    if req.cache_policy not in encoder_pb2.CachePolicy.values():  # UNSPECIFIED (the default) is fine
+        raise _fail("cache_policy", f"unknown CACHE_POLICY value {req.cache_policy}")
 
 
 def validate_prefill_request(req: prefill_pb2.PrefillRequest, limits: Limits = DEFAULT_LIMITS) -> None:

@@ -34,7 +34,8 @@ class StackSpec:
     # Registered pool per model service, in MiB: committed memory, so keep it to what the model
     # needs (the tiny checkpoint moves kilobytes; the services' own defaults suit real models).
     pool_mib: int = 64
-    # Start a Mooncake Store (master + storage holder) and point every encoder's cache at it.
+    # Start a Mooncake Store (master + storage holder); every encoder caches in it and the router
+    # looks items up in it before dispatching.
     cache_store: bool = False
     cache_store_mib: int = 256  # memory the holder lends the store, in MiB
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service (EPD_*)
@@ -111,6 +112,8 @@ class Stack:
                 router_args += ["--prefill", backends[0].address, "--decode", backends[1].address]
             else:
                 router_args += ["--pd", backends[0].address]
+            if self.store is not None:
+                router_args += ["--cache-master", self.store.master_address]
             router = self._process("router", "services.router", router_args)
             router.start()
             self.address = router.wait_ready(max(1.0, remaining - (time.monotonic() - started)))

@@ -22,13 +22,17 @@ from libs.rpc.admission import Admission
 _log = structlog.get_logger(__name__)
 
 
-def drainer(admission: Admission, held_leases: Callable[[], int] = lambda: 0) -> Callable[[float], Awaitable[None]]:
-    """The drain of a service with this admission; `held_leases` counts leases it holds as a producer."""
+def drainer(*admissions: Admission, held_leases: Callable[[], int] = lambda: 0) -> Callable[[float], Awaitable[None]]:
+    """The drain of a service with these admissions (one per lane of work); `held_leases` counts
+    leases it holds as a producer."""
 
     async def drain(grace_s: float) -> None:
         deadline = time.monotonic() + grace_s * 0.9  # leave the server a moment to stop
-        admission.close()
-        idle = await admission.idle(max(0.0, deadline - time.monotonic()))
+        for admission in admissions:
+            admission.close()
+        idle = True
+        for admission in admissions:
+            idle = await admission.idle(max(0.0, deadline - time.monotonic())) and idle
         while held_leases() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         _log.info("drained", requests_finished=idle, leases_still_held=held_leases())

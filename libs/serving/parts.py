@@ -3,7 +3,7 @@ leases when it produces tensors, drain on shutdown, engine and transport clean-u
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from libs.contract.epd.v1 import service_info_pb2
@@ -19,6 +19,7 @@ def model_service_parts(
     servicer: tuple[Register, Any, str],
     *,
     admission: Admission,
+    other_lanes: Sequence[Admission] = (),
     info: service_info_pb2.ServiceInfo,
     engine: EngineThread,
     transport: Transport | None = None,
@@ -29,7 +30,8 @@ def model_service_parts(
     servicers = [servicer]
     if transport is not None and transport.produces:
         servicers.append(lease_servicer(transport))
-    servicers.append(stats_servicer(transport, lambda: admission.running + admission.waiting, active_sequences))
+    lanes = (admission, *other_lanes)  # each admits its own kind of work
+    servicers.append(stats_servicer(transport, lambda: sum(a.running + a.waiting for a in lanes), active_sequences))
 
     async def close() -> None:
         on_close()
@@ -41,7 +43,7 @@ def model_service_parts(
         servicers=servicers,
         info=lambda: info,
         close=close,
-        drain=drainer(admission, transport.held_leases if transport is not None else lambda: 0),
+        drain=drainer(*lanes, held_leases=transport.held_leases if transport is not None else lambda: 0),
         on_started=lambda address: _started(address, transport, on_listening),
     )
 

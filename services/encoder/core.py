@@ -1,10 +1,13 @@
 """Encoder core: media items -> embeddings kept in this process's registered pool, plus layout.
 
-Per `Encode` call: validate, resolve each item's bytes, run the tower (items of one modality in one
-forward, on the engine thread), then place each item's tensors in a pool slot and return its
-handle (NIXL) - or the bytes themselves when the consumer accepts only INLINE. Slots are freed by
-the consumer's completion notification, `ReleaseLeases`, or lease expiry. If anything fails after
-some items were placed, those leases are released before the error goes back.
+Per `Encode` call: validate, resolve each item's bytes, get each item's embeddings, then place
+them in a pool slot and return its handle (NIXL) - or the bytes themselves when the consumer
+accepts only INLINE. Embeddings come from the tower (items of one modality in one forward, on the
+engine thread) or, with a cache, from the local LRU, then the shared store, then the tower;
+`CACHE_POLICY_CACHED_ONLY` (the router's short-circuit after a store hit) never runs the tower and
+answers NOT_FOUND for an item not cached. Slots are freed by the consumer's completion
+notification, `ReleaseLeases`, or lease expiry. If anything fails after some items were placed,
+those leases are released before the error goes back.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from opentelemetry import trace
 from libs.cache.cache import EncoderCache
 from libs.cache.entry import CacheEntry
 from libs.contract.epd.v1 import encoder_pb2, layout_pb2, tensor_pb2
+from libs.contract.errors import NotFound
 from libs.contract.validation import Limits, validate_encode_request
 from libs.engine.encoder_runner import EncoderRunner, media_hash
 from libs.engine.types import EncodedItem, MediaInput
@@ -61,7 +65,9 @@ class EncoderCore:
             )
             for i, item in enumerate(request.items)
         ]
-        if self.cache is None:
+        if request.cache_policy == encoder_pb2.CACHE_POLICY_CACHED_ONLY:
+            encoded = list(await asyncio.gather(*(self._from_cache(m, i) for i, m in enumerate(media))))
+        elif self.cache is None:
             encoded = await encode_items(self.engine, self.runner, media)
         else:
             encoded = list(await asyncio.gather(*(self._through_cache(self.cache, m) for m in media)))
@@ -85,6 +91,16 @@ class EncoderCore:
             producer.release(i.embeddings.lease_id for i in response.items)
             raise
         return response
+
+    async def _from_cache(self, media: MediaInput, position: int) -> EncodedItem:
+        """CACHE_POLICY_CACHED_ONLY: the local cache or the shared store, never the tower."""
+        if self.cache is None:
+            raise NotFound(f"items[{position}]: this encoder keeps no cache")
+        entry = await self.cache.lookup(self.cache.key(media_hash(media)))
+        if entry is None:
+            raise NotFound(f"items[{position}]: not in the encoder cache or the shared store")
+        trace.get_current_span().add_event("epd.cache", {"epd.cache.source": "cached_only", "epd.cache.shared": False})
+        return entry.to_item(media.item_index)
 
     async def _through_cache(self, cache: EncoderCache, media: MediaInput) -> EncodedItem:
         """Local cache, then the shared store, then the tower; concurrent requests for one item

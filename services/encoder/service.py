@@ -8,13 +8,14 @@ from typing import Any
 import torch
 
 from libs.cache.cache import CacheConfig, EncoderCache
-from libs.cache.keys import Namespace
+from libs.cache.keys import CACHED_ONLY, Namespace
 from libs.cache.store import MooncakeStoreClient, StoreConfig
 from libs.config import setting
 from libs.contract.epd.v1 import encoder_pb2, encoder_pb2_grpc, service_info_pb2
 from libs.contract.epd.v1.service_info_pb2 import ModelIdentity
 from libs.engine.encoder_runner import EncoderRunner
 from libs.engine.types import dtype_name
+from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
 from libs.serving.engine_loop import EngineThread
@@ -31,15 +32,20 @@ class EncoderSettings(ModelServiceSettings):
 
     cache_mib: int = setting(256, "in-process encoder-output cache (LRU), in MiB; 0 disables caching")
     cache_master: str = setting("", "Mooncake Store master (HOST:PORT) shared by encoders; empty: local cache only")
+    cached_max_running: int = setting(
+        8, "cache-only jobs (the router's short-circuit) running at once, in their own lane apart from compute"
+    )
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
-    def __init__(self, core: EncoderCore, admission: Admission) -> None:
+    def __init__(self, core: EncoderCore, compute: Admission, cached: Admission) -> None:
         self._core = core
-        self._admission = admission
+        self._compute = compute
+        self._cached = cached  # cache-only jobs never wait behind the tower
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: Any) -> encoder_pb2.EncodeResponse:
-        async with admitted(self._admission, request, context):
+        cached_only = request.cache_policy == encoder_pb2.CACHE_POLICY_CACHED_ONLY
+        async with admitted(self._cached if cached_only else self._compute, request, context):
             return await self._core.encode(request)
 
 
@@ -50,15 +56,30 @@ async def setup(settings: EncoderSettings) -> ServiceParts:
     transport = Transport(transfer_config(settings, "encoder"), identity, produce=True, consume=False)
     engine = EngineThread("encoder")
     admission = Admission("encoder", settings.max_running, settings.max_waiting)
+    cached_lane = Admission("encoder.cached", settings.cached_max_running, settings.max_waiting)
     cache, store = _cache(settings, runner, identity)
     core = EncoderCore(runner, transport, engine, file_root=settings.file_root, cache=cache)
-    servicer = EncoderServicer(core, admission)
+    servicer = EncoderServicer(core, admission, cached_lane)
+    info = service_info(
+        service_info_pb2.SERVICE_ROLE_ENCODER,
+        identity,
+        runner.specs.values(),
+        transport.transport_info(),
+        capabilities=(ADMISSION_PRIORITY, CACHED_ONLY) if cache is not None else (ADMISSION_PRIORITY,),
+    )
+    if cache is not None:
+        info.encoder_cache.CopyFrom(
+            service_info_pb2.EncoderCacheInfo(
+                key_prefix=cache.namespace.key_prefix,
+                shared_store=store is not None,
+                local_capacity_bytes=cache.config.local_max_bytes,
+            )
+        )
     return model_service_parts(
         (encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer, "epd.v1.EncoderService"),
         admission=admission,
-        info=service_info(
-            service_info_pb2.SERVICE_ROLE_ENCODER, identity, runner.specs.values(), transport.transport_info()
-        ),
+        other_lanes=(cached_lane,),
+        info=info,
         engine=engine,
         transport=transport,
         on_close=cache.close if cache is not None else lambda: None,

@@ -4,8 +4,10 @@ generated gRPC stubs (or test doubles with the same methods), picked by `Encoder
 
 Flow per request:
 1. validate; assign a request id when the client gave none;
-2. one `Encode` job per media item, spread over encoders by least outstanding work; an encoder that
-   fails with UNAVAILABLE / DEADLINE_EXCEEDED / INTERNAL is retried once on another encoder;
+2. one `Encode` job per media item, on the encoder `EncoderPool` picks (the one already holding
+   or encoding the item, else a load-bounded rendezvous choice); an item found in the shared store
+   (`CacheLookup`) goes as a CACHED_ONLY job, so no encoder computes it. An encoder that fails with
+   UNAVAILABLE / DEADLINE_EXCEEDED / INTERNAL is retried once on another encoder;
 3. replace each `media` part by its `encoded` part, in place (the metadata-only request);
 4. E/P/D: `Prefill` then `Decode`; E+PD: `PrefillDecode`. If prefill reports an embedding gone
    (NOT_FOUND / UNAVAILABLE) before any token was streamed, re-encode once and retry;
@@ -15,10 +17,9 @@ Flow per request:
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +38,15 @@ from libs.contract.epd.v1 import (
     media_pb2,
     prefill_decode_pb2,
     prefill_pb2,
+    service_info_pb2,
     tensor_pb2,
 )
 from libs.contract.errors import DeadlineExceeded, EpdError, FailedPrecondition, InvalidArgument, Unavailable
 from libs.contract.validation import Limits, validate_generate_request
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.telemetry.stages import calls_under, phase, start_phase
+from services.router.cache_lookup import CacheLookup, item_hash
+from services.router.encoders import EncoderPool
 
 _log = structlog.get_logger(__name__)
 
@@ -79,30 +83,13 @@ class Backends:
     honors: Callable[[str, str], bool] | None = None
     # Addresses of the prefill / decode / pd stages, for `honors`.
     addresses: dict[str, str] = field(default_factory=dict)
+    # The (checked) encoder's cache, as advertised in its ServiceInfo; None when it keeps none.
+    encoder_cache: Callable[[str], service_info_pb2.EncoderCacheInfo | None] = lambda address: None
 
     def priority_for(self, target: str, priority: int) -> int:
         """The request's priority for a peer that honors it (contract 1.1), else the default."""
         address = self.addresses.get(target, target)
         return priority if self.honors is not None and self.honors(address, ADMISSION_PRIORITY) else 0
-
-
-class EncoderPool:
-    """Encoder addresses with their outstanding jobs; picks the least loaded (round-robin on ties)."""
-
-    def __init__(self, addresses: Sequence[str]) -> None:
-        if not addresses:
-            raise ValueError("at least one encoder address is needed")
-        self.outstanding = dict.fromkeys(addresses, 0)
-        self._order = itertools.count()
-        self._last_pick = dict.fromkeys(addresses, -1)
-
-    def pick(self, exclude: set[str] = frozenset()) -> str:  # type: ignore[assignment]
-        candidates = [a for a in self.outstanding if a not in exclude]
-        if not candidates:
-            raise Unavailable("no encoder left to try")
-        address = min(candidates, key=lambda a: (self.outstanding[a], self._last_pick[a]))
-        self._last_pick[address] = next(self._order)
-        return address
 
 
 @dataclass
@@ -145,12 +132,19 @@ def _rpc_error(stage: str, exc: grpc.aio.AioRpcError) -> RpcFailed:
 class Router:
     """Serves `Generate` over an encoder pool and a prefill/decode (or PD) backend."""
 
-    def __init__(self, backends: Backends, encoders: EncoderPool, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        backends: Backends,
+        encoders: EncoderPool,
+        limits: Limits | None = None,
+        cache: CacheLookup | None = None,
+    ) -> None:
         if backends.prefill_decode is None and (backends.prefill is None or backends.decode is None):
             raise ValueError("need prefill and decode stubs (E/P/D) or a prefill-decode stub (E+PD)")
         self._backends = backends
         self._encoders = encoders
         self._limits = limits or Limits()
+        self._cache = cache or CacheLookup(None)
 
     async def generate(
         self, request: generate_pb2.GenerateRequest, deadline: float | None = None
@@ -243,11 +237,15 @@ class Router:
             accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
         )
         priority = state.priority
+        key = await item_hash(part.media, self._limits.max_inline_media_bytes)
         tried: set[str] = set()
+        compute = False  # an encoder had no entry for a CACHED_ONLY job: compute from then on
         check = self._backends.check_encoder
         while True:
-            address = self._encoders.pick(exclude=tried)
+            address = self._encoders.pick(exclude=tried, key=key)
             tried.add(address)
+            if key is not None:
+                self._encoders.remember(key, address)  # concurrent requests for the item follow it here
             self._encoders.outstanding[address] += 1
             try:
                 with phase(
@@ -257,10 +255,14 @@ class Router:
                         "epd.modality": media_pb2.Modality.Name(part.media.modality),
                         "epd.encoder": address,
                     },
-                ):
+                ) as span:
                     if check is not None:
                         await check(address, None)
                     job.priority = self._backends.priority_for(address, priority)
+                    job.cache_policy = encoder_pb2.CACHE_POLICY_UNSPECIFIED
+                    if not compute and await self._in_shared_store(address, key):
+                        job.cache_policy = encoder_pb2.CACHE_POLICY_CACHED_ONLY
+                    span.set_attribute("epd.cache.policy", encoder_pb2.CachePolicy.Name(job.cache_policy))
                     reply = await self._backends.encoder(address).Encode(job, timeout=_remaining(deadline))
             except FailedPrecondition:
                 if len(tried) < len(self._encoders.outstanding):
@@ -271,6 +273,13 @@ class Router:
                     continue  # unreachable at first contact: one retry elsewhere, as for Encode
                 raise
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND and job.cache_policy == encoder_pb2.CACHE_POLICY_CACHED_ONLY:
+                    # Evicted, rejected as invalid or unreachable since our lookup: the same encoder
+                    # computes it (its single-flight still joins concurrent requests).
+                    _log.info("cached item gone before its load; computing", encoder=address)
+                    compute = True
+                    tried.discard(address)
+                    continue
                 if exc.code() in _RETRYABLE_ENCODE and len(tried) < 2 and len(tried) < len(self._encoders.outstanding):
                     _log.warning("encoder failed; retrying elsewhere", encoder=address, code=exc.code().name)
                     continue
@@ -291,6 +300,15 @@ class Router:
                     await self._release_one(address, encoded.embeddings.lease_id)
                     raise
             return encoded
+
+    async def _in_shared_store(self, address: str, key: str | None) -> bool:
+        """Whether the item is in the shared store of an encoder that can serve it from there."""
+        if key is None:
+            return False
+        info = self._backends.encoder_cache(address)
+        if info is None or not info.shared_store:
+            return False
+        return await self._cache.cached(f"{info.key_prefix}/{key}")
 
     async def _prefill_and_decode(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+from libs.cache.keys import CACHED_ONLY
 from libs.contract.epd.v1 import service_info_pb2
 from libs.contract.errors import FailedPrecondition
 from libs.rpc.peers import PeerDirectory, check_embedding_specs, check_peer
@@ -43,6 +44,13 @@ class BackendChecks:
                     )
                 self._backend = info
         return self._backend
+
+    def encoder_cache(self, address: str) -> service_info_pb2.EncoderCacheInfo | None:
+        """The (already checked) encoder's cache, when it serves CACHED_ONLY jobs."""
+        info = self._peers.cached(address)
+        if info is None or CACHED_ONLY not in info.capabilities or not info.HasField("encoder_cache"):
+            return None
+        return info.encoder_cache
 
     def honors(self, address: str, capability: str) -> bool:
         """Whether the (already checked) peer at `address` advertises `capability`."""

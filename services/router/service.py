@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from libs.cache.store import MooncakeStoreClient, StoreConfig
 from libs.config import CommonSettings, setting
 from libs.contract import version
 from libs.contract.epd.v1 import (
@@ -24,7 +25,9 @@ from libs.rpc.drain import drainer
 from libs.rpc.identity import INSTANCE_ID, SOFTWARE_VERSION
 from libs.rpc.main import ServiceParts, service_main
 from libs.rpc.peers import PeerDirectory
-from services.router.core import Backends, EncoderPool, Router
+from services.router.cache_lookup import CacheLookup
+from services.router.core import Backends, Router
+from services.router.encoders import EncoderPool
 from services.router.handshake import BackendChecks
 
 
@@ -40,6 +43,11 @@ class RouterSettings(CommonSettings):
     max_running: int = setting(64, "requests generating at once")
     max_waiting: int = setting(256, "requests waiting for a slot before RESOURCE_EXHAUSTED")
     grace_s: float = setting(10.0, "seconds in-flight requests get on shutdown")
+    cache_master: str = setting(
+        "", "Mooncake Store master (HOST:PORT) of the encoders' shared cache, checked before dispatch; empty: never"
+    )
+    cache_lookup_timeout_s: float = setting(0.25, "longest wait for a store lookup before treating it as a miss")
+    affinity_slack: int = setting(4, "extra outstanding jobs a new item's hash-preferred encoder may have")
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
@@ -88,7 +96,16 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     backends.check_backends = checks.backend
     backends.honors = checks.honors
     backends.addresses = {"prefill": settings.prefill, "decode": settings.decode, "pd": settings.pd}
-    router = Router(backends, EncoderPool(settings.encoders))
+    backends.encoder_cache = checks.encoder_cache
+    store = None
+    if settings.cache_master:
+        # Lookups only: a small staging buffer, and a short deadline (a slow store is a miss).
+        config = StoreConfig(
+            settings.cache_master, local_buffer_size=1 << 20, op_timeout_s=settings.cache_lookup_timeout_s
+        )
+        store = MooncakeStoreClient(config)
+    cache = CacheLookup(store)
+    router = Router(backends, EncoderPool(settings.encoders, slack=settings.affinity_slack), cache=cache)
     admission = Admission("router", settings.max_running, settings.max_waiting)
     info = service_info_pb2.ServiceInfo(
         contract_version=version.current(),
@@ -97,6 +114,11 @@ async def setup(settings: RouterSettings) -> ServiceParts:
         capabilities=[ADMISSION_PRIORITY],
         software_version=SOFTWARE_VERSION,
     )
+
+    async def close() -> None:
+        cache.close()
+        await peers.close()
+
     return ServiceParts(
         servicers=[
             (
@@ -106,8 +128,10 @@ async def setup(settings: RouterSettings) -> ServiceParts:
             )
         ],
         info=lambda: info,
-        close=peers.close,
+        close=close,
         drain=drainer(admission),
+        # Mooncake's transfer engine picks its own ports: set the client up once ours is bound.
+        on_started=cache.connect,
     )
 
 

@@ -5,7 +5,8 @@
 N requests with K distinct images each go through an E/P/D stack whose encoder A publishes to a
 Mooncake Store. The same requests then go through a fresh encoder B twice, in the same run:
 "before" with no shared store (B encodes everything again, as vLLM/SGLang/Dynamo would) and
-"after" with the store A filled (B loads instead of encoding). Reported: encodes on B and the
+"after" with the store A filled (B's router finds every item in the store and sends CACHED_ONLY
+jobs: B loads instead of encoding). Reported: encodes on B and the
 p90 time to first token, after/before, as a ratio.
 """
 
@@ -61,8 +62,9 @@ def _phase(
     name: str, model: Path, run_dir: Path, master: str, requests: list[generate_pb2.GenerateRequest]
 ) -> tuple[int, float]:
     port = free_port()
-    args = ["--metrics-port", str(port)] + (["--cache-master", master] if master else [])
-    spec = StackSpec(layout="e/p/d", encoders=1, model=model, run_dir=run_dir / name, extra_args={"encoder-0": args})
+    cache = ["--cache-master", master] if master else []  # the router short-circuits through the store too
+    extra_args = {"encoder-0": ["--metrics-port", str(port), *cache], "router": cache}
+    spec = StackSpec(layout="e/p/d", encoders=1, model=model, run_dir=run_dir / name, extra_args=extra_args)
     with Stack(spec).running() as stack:
         asyncio.run(_send(stack.address, [build_request("warm up")]))  # first-contact costs out of the figures
         results = asyncio.run(_send(stack.address, requests))

@@ -78,6 +78,9 @@ class FakeStore:
     def _unavailable(self) -> StoreResult:
         return StoreResult(StoreStatus.UNAVAILABLE, detail="fake store down")
 
+    def connect(self) -> StoreResult:
+        return self._unavailable() if self.down else StoreResult(StoreStatus.OK)
+
     def get(self, key: str) -> StoreResult:
         with self.lock:
             self.calls.append(("get", key))
@@ -102,7 +105,14 @@ class FakeStore:
         return StoreResult(StoreStatus.OK)
 
     def exists(self, key: str) -> StoreResult:
-        return StoreResult(StoreStatus.OK if key in self.data else StoreStatus.NOT_FOUND)
+        with self.lock:
+            self.calls.append(("exists", key))
+            if self.down:
+                return self._unavailable()
+            return StoreResult(StoreStatus.OK if key in self.data else StoreStatus.NOT_FOUND)
+
+    async def aexists(self, key: str) -> StoreResult:
+        return self.exists(key)
 
     def remove(self, key: str) -> StoreResult:
         with self.lock:

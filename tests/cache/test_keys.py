@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from libs.cache.keys import CacheKey, Namespace, client_id_hash, content_hash
+from libs.cache.keys import OPTION_FIELDS, CacheKey, Namespace, client_id_hash, content_hash, wire_content_hash
+from libs.contract.epd.v1 import media_pb2
 from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
 from libs.engine.types import MediaInput, Modality, ProcessorOptions
 from tests.cache.helpers import NS
@@ -19,11 +20,35 @@ def test_content_hash_is_the_engines_media_hash() -> None:
             assert content_hash(modality, options, media.data) == media_hash(media)
 
 
+def test_the_routers_wire_hash_is_the_encoders_hash() -> None:
+    """The router hashes wire items to find them in the store; the encoder hashes engine inputs
+    (`convert.media_input`). Equal for every modality, with and without each option."""
+    from libs.engine.encoder_runner import media_hash
+    from libs.serving.convert import media_input
+
+    assert set(OPTION_FIELDS) == {f.name for f in dataclasses.fields(ProcessorOptions)}
+    option_sets = [
+        media_pb2.ProcessorOptions(),
+        media_pb2.ProcessorOptions(min_pixels=3136, max_pixels=256 * 28 * 28),
+        media_pb2.ProcessorOptions(video_fps=1.5, video_max_frames=8),
+    ]
+    for modality in (media_pb2.MODALITY_IMAGE, media_pb2.MODALITY_VIDEO, media_pb2.MODALITY_AUDIO):
+        for options in option_sets:
+            item = media_pb2.MediaItem(modality=modality, data=b"\x00bytes\xff", processor_options=options)
+            assert wire_content_hash(item, item.data) == media_hash(media_input(item, 0, item.data))
+
+
 def test_options_and_modality_change_the_hash() -> None:
     base = content_hash(Modality.IMAGE, ProcessorOptions(), b"x")
     assert content_hash(Modality.IMAGE, ProcessorOptions(max_pixels=1000), b"x") != base
     assert content_hash(Modality.VIDEO, ProcessorOptions(), b"x") != base
     assert content_hash(Modality.IMAGE, ProcessorOptions(), b"y") != base
+
+
+def test_store_keys_sit_under_the_namespace_prefix() -> None:
+    key = CacheKey(NS, "ab" * 32)
+    assert key.store_key == f"{NS.key_prefix}/{'ab' * 32}"
+    assert NS.key_prefix.startswith("epd/enc/v1/") and NS.token in NS.key_prefix
 
 
 def test_client_ids_are_hashed_with_the_options() -> None:

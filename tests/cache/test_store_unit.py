@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -109,10 +110,21 @@ def test_a_frozen_store_costs_one_deadline_then_the_breaker_answers_at_once() ->
     assert store.breaker.state.value == "closed"
 
 
+def test_calls_queue_behind_busy_workers_within_the_bound() -> None:
+    fake = FakeMooncake()
+    store = client(fake, max_pending=8)  # 2 workers
+    store.put("k", b"v")
+    gate = threading.Event()
+    fake.hook = lambda name: gate.wait(0.02)  # each call holds its worker a moment
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: store.get("k"), range(8)))
+    assert [r.data for r in results] == [b"v"] * 8  # queued, not refused
+
+
 def test_stuck_workers_bound_the_threads_used() -> None:
     release = threading.Event()
     fake = FakeMooncake()
-    store = client(fake, failures_to_open=100)
+    store = client(fake, failures_to_open=100, max_pending=0)
     store.put("k", b"v")
     fake.hook = lambda name: release.wait(10)
     before = threading.active_count()

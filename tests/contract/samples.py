@@ -133,6 +133,7 @@ def encode_request() -> encoder_pb2.EncodeRequest:
             encoder_pb2.EncodeItem(item_index=1, media=media()),
         ],
         accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL, tensor_pb2.TRANSPORT_KIND_INLINE],
+        cache_policy=encoder_pb2.CACHE_POLICY_CACHED_ONLY,
     )
 
 

@@ -170,6 +170,7 @@ BAD = [
     Bad("EncodeRequest", lambda r: r.items[0].ClearField("media"), "items[0].media", "required"),
     Bad("EncodeRequest", lambda r: r.ClearField("accepted_transports"), "accepted_transports", "at least 1"),
     Bad("EncodeRequest", lambda r: r.accepted_transports.append(0), "accepted_transports[2]", "UNSPECIFIED"),
+    Bad("EncodeRequest", _set("cache_policy", 7), "cache_policy", "unknown CACHE_POLICY value 7"),
     Bad(
         "EncodeRequest",
         lambda r: r.items[0].media.__setattr__("data", b"x" * ((64 << 20) + 1)),

@@ -1,6 +1,7 @@
-"""Router core without sockets: job splitting, metadata-only prefill requests, least-outstanding
-encoder choice, retries, and lease release on every failure path. Backends are test doubles with
-the generated stubs' call shapes; tests/services exercise the real services."""
+"""Router core without sockets: job splitting, metadata-only prefill requests, encoder choice,
+retries, and lease release on every failure path (cache-aware routing: test_cache_routing.py).
+Backends are test doubles with the generated stubs' call shapes; tests/services exercise the real
+services."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from libs.cache.keys import wire_content_hash
 from libs.contract.epd.v1 import (
     chat_pb2,
     decode_pb2,
@@ -23,7 +25,8 @@ from libs.contract.epd.v1 import (
     prefill_pb2,
 )
 from libs.contract.errors import FailedPrecondition, InvalidArgument
-from services.router.core import Backends, EncoderPool, Router, RpcFailed
+from services.router.core import Backends, Router, RpcFailed
+from services.router.encoders import EncoderPool
 from tests.contract import samples
 
 
@@ -35,11 +38,19 @@ class Encoder:
     def __init__(self, address: str, log: list[tuple[str, int]], fail: grpc.StatusCode | None = None) -> None:
         self.address, self.log, self.fail = address, log, fail
         self.leases = 0
+        self.requests: list[encoder_pb2.EncodeRequest] = []
+        self.cached: set[str] = set()  # mm_hashes a CACHED_ONLY job finds; others answer NOT_FOUND
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, timeout: float | None = None) -> Any:
         (item,) = request.items
         self.log.append((self.address, item.item_index))
+        self.requests.append(encoder_pb2.EncodeRequest.FromString(request.SerializeToString()))  # as sent
         await asyncio.sleep(0.01)
+        if (
+            request.cache_policy == encoder_pb2.CACHE_POLICY_CACHED_ONLY
+            and wire_content_hash(item.media, item.media.data) not in self.cached
+        ):
+            raise _error(grpc.StatusCode.NOT_FOUND, "items[0]: not in the encoder cache or the shared store")
         if self.fail is not None:
             raise _error(
                 self.fail, "items[0].media.data: not an image" if self.fail.name == "INVALID_ARGUMENT" else "x"
@@ -114,15 +125,13 @@ class Harness:
         self.leases = Leases()
         self.prefill = Prefill(kw.get("prefill_fail_first"))
         self.decode = Decode(kw.get("decode_fail_before", False))
-        self.router = Router(
-            Backends(
-                encoder=self.encoders.__getitem__,
-                lease=self.leases.stub,
-                prefill=self.prefill,
-                decode=self.decode,
-            ),
-            EncoderPool(list(self.encoders)),
+        backends = Backends(
+            encoder=self.encoders.__getitem__, lease=self.leases.stub, prefill=self.prefill, decode=self.decode
         )
+        if "encoder_cache" in kw:
+            backends.encoder_cache = kw["encoder_cache"]
+        self.pool = EncoderPool(list(self.encoders), slack=kw.get("slack", 0))
+        self.router = Router(backends, self.pool, cache=kw.get("cache"))
 
     async def tokens(self, request: generate_pb2.GenerateRequest) -> list[int]:
         out: list[int] = []
@@ -131,8 +140,14 @@ class Harness:
         return out
 
 
-def _request(images: int, text: str = "Describe.") -> generate_pb2.GenerateRequest:
-    parts = [chat_pb2.ContentPart(media=samples.media()) for _ in range(images)]
+def _image(seed: int) -> Any:
+    media = samples.media()
+    media.data += seed.to_bytes(4, "big")  # distinct content: distinct cache keys
+    return media
+
+
+def _request(images: int, text: str = "Describe.", same: bool = False) -> generate_pb2.GenerateRequest:
+    parts = [chat_pb2.ContentPart(media=_image(0 if same else i)) for i in range(images)]
     parts.append(chat_pb2.ContentPart(text=text))
     return generate_pb2.GenerateRequest(
         request_id="r1",

@@ -43,7 +43,13 @@ def traced_run(
 ) -> Iterator[tuple[list[GenerationResult], list[SpanRecord]]]:
     receiver = OtlpReceiver().start()
     env = {"EPD_TRACE_EXPORTER": "otlp", "EPD_OTLP_ENDPOINT": receiver.address, "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    stack = Stack(StackSpec(layout="e/p/d", model=model_path, run_dir=tmp_path_factory.mktemp("traced"), env=env))
+    # No encoder cache: mixes share media, and this run checks that every media request's time to first
+    # token shows its encode (cached requests are traced in test_shared_store.py).
+    no_cache = {f"encoder-{i}": ["--cache-mib", "0"] for i in range(2)}
+    spec = StackSpec(
+        layout="e/p/d", model=model_path, run_dir=tmp_path_factory.mktemp("traced"), env=env, extra_args=no_cache
+    )
+    stack = Stack(spec)
     try:
         stack.up()
         results = asyncio.run(_one_at_a_time(stack.address))

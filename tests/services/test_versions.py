@@ -1,5 +1,5 @@
 """Cross-version interoperation with live processes: services of the contract 1.0 release (run from
-a checkout of that commit) and current services (contract 1.1) in one stack, for both handoffs in
+a checkout of that commit) and current services (contract 1.1 or later) in one stack, for both handoffs in
 both directions, and a rolling upgrade of a running stack, one service at a time, under load."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 
 from libs.client.generate import GenerationResult, generate, open_channel
 from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
+from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
 from libs.launch.process import ROOT, ServiceProcess, free_port
 from tests.services.conftest import MIXES
 from tests.services.golden import request_for
@@ -116,7 +117,7 @@ def test_cross_version_handoffs(
     router = None
     try:
         for name, version in MATRIX[stack].items():
-            assert _contract(procs[name].address) == ((1, 0) if version == "old" else (1, 1))
+            assert _contract(procs[name].address) == ((1, 0) if version == "old" else (CONTRACT_MAJOR, CONTRACT_MINOR))
         router = _router(ROOT, procs, tmp_path, [procs["encoder-0"].address])
         requests = [request_for(MIXES[name], request_id=f"x{stack}-{name}") for name in MIX_NAMES]
         for request in requests:

@@ -28,19 +28,21 @@ from . import media_pb2 as epd_dot_v1_dot_media__pb2
 from . import tensor_pb2 as epd_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/encoder.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/layout.proto\x1a\x12\x65pd/v1/media.proto\x1a\x13\x65pd/v1/tensor.proto\"B\n\nEncodeItem\x12\x12\n\nitem_index\x18\x01 \x01(\r\x12 \n\x05media\x18\x02 \x01(\x0b\x32\x11.epd.v1.MediaItem\"\x8c\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05items\x18\x02 \x03(\x0b\x32\x12.epd.v1.EncodeItem\x12\x32\n\x13\x61\x63\x63\x65pted_transports\x18\x03 \x03(\x0e\x32\x15.epd.v1.TransportKind\x12\x10\n\x08priority\x18\x04 \x01(\x05\"5\n\x0e\x45ncodeResponse\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.epd.v1.EncodedMedia2I\n\x0e\x45ncoderService\x12\x37\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/encoder.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/layout.proto\x1a\x12\x65pd/v1/media.proto\x1a\x13\x65pd/v1/tensor.proto\"B\n\nEncodeItem\x12\x12\n\nitem_index\x18\x01 \x01(\r\x12 \n\x05media\x18\x02 \x01(\x0b\x32\x11.epd.v1.MediaItem\"\xb7\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05items\x18\x02 \x03(\x0b\x32\x12.epd.v1.EncodeItem\x12\x32\n\x13\x61\x63\x63\x65pted_transports\x18\x03 \x03(\x0e\x32\x15.epd.v1.TransportKind\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12)\n\x0c\x63\x61\x63he_policy\x18\x05 \x01(\x0e\x32\x13.epd.v1.CachePolicy\"5\n\x0e\x45ncodeResponse\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.epd.v1.EncodedMedia*I\n\x0b\x43\x61\x63hePolicy\x12\x1c\n\x18\x43\x41\x43HE_POLICY_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43\x41\x43HE_POLICY_CACHED_ONLY\x10\x01\x32I\n\x0e\x45ncoderService\x12\x37\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.encoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_CACHEPOLICY']._serialized_start=403
+  _globals['_CACHEPOLICY']._serialized_end=476
   _globals['_ENCODEITEM']._serialized_start=94
   _globals['_ENCODEITEM']._serialized_end=160
   _globals['_ENCODEREQUEST']._serialized_start=163
-  _globals['_ENCODEREQUEST']._serialized_end=303
-  _globals['_ENCODERESPONSE']._serialized_start=305
-  _globals['_ENCODERESPONSE']._serialized_end=358
-  _globals['_ENCODERSERVICE']._serialized_start=360
-  _globals['_ENCODERSERVICE']._serialized_end=433
+  _globals['_ENCODEREQUEST']._serialized_end=346
+  _globals['_ENCODERESPONSE']._serialized_start=348
+  _globals['_ENCODERESPONSE']._serialized_end=401
+  _globals['_ENCODERSERVICE']._serialized_start=478
+  _globals['_ENCODERSERVICE']._serialized_end=551
 # @@protoc_insertion_point(module_scope)

@@ -11,6 +11,7 @@ from . import tensor_pb2 as _tensor_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -21,6 +22,32 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _CachePolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CachePolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CachePolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CACHE_POLICY_UNSPECIFIED: _CachePolicy.ValueType  # 0
+    """The encoder's own order: its local cache, then the shared store, then the tower."""
+    CACHE_POLICY_CACHED_ONLY: _CachePolicy.ValueType  # 1
+    """Answer from the local cache or the shared store only, never run the tower: an item that is
+    not cached fails the call with NOT_FOUND. The router sends this after finding the item in the
+    shared store, so a cache hit never waits behind encoder compute.
+    """
+
+class CachePolicy(_CachePolicy, metaclass=_CachePolicyEnumTypeWrapper):
+    """How an `Encode` call may use the encoder-output cache."""
+
+CACHE_POLICY_UNSPECIFIED: CachePolicy.ValueType  # 0
+"""The encoder's own order: its local cache, then the shared store, then the tower."""
+CACHE_POLICY_CACHED_ONLY: CachePolicy.ValueType  # 1
+"""Answer from the local cache or the shared store only, never run the tower: an item that is
+not cached fails the call with NOT_FOUND. The router sends this after finding the item in the
+shared store, so a cache hit never waits behind encoder compute.
+"""
+Global___CachePolicy: _TypeAlias = CachePolicy  # noqa: Y015
 
 @_typing.final
 class EncodeItem(_message.Message):
@@ -62,12 +89,17 @@ class EncodeRequest(_message.Message):
     ITEMS_FIELD_NUMBER: _builtins.int
     ACCEPTED_TRANSPORTS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    CACHE_POLICY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Identifier of the client request, for logs and traces. Required."""
     priority: _builtins.int
     """Scheduling priority among requests waiting for a slot: higher is served first, equal
     priorities in arrival order. 0 is the default; range [-100, 100]. Since contract 1.1; 1.0
     servers ignore it (peers advertise the "admission.priority" capability when they honor it).
+    """
+    cache_policy: Global___CachePolicy.ValueType
+    """Whether the encoder may compute, or must answer from its cache. Since contract 1.2; sent as
+    non-default only to encoders advertising the "encoder.cached_only" capability.
     """
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___EncodeItem]:
@@ -84,10 +116,11 @@ class EncodeRequest(_message.Message):
         items: _abc.Iterable[Global___EncodeItem] | None = ...,
         accepted_transports: _abc.Iterable[_tensor_pb2.TransportKind.ValueType] | None = ...,
         priority: _builtins.int = ...,
+        cache_policy: Global___CachePolicy.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_transports", b"accepted_transports", "items", b"items", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_transports", b"accepted_transports", "cache_policy", b"cache_policy", "items", b"items", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

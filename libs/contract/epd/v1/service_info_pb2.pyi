@@ -256,6 +256,7 @@ class ServiceInfo(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     CAPABILITIES_FIELD_NUMBER: _builtins.int
     SOFTWARE_VERSION_FIELD_NUMBER: _builtins.int
+    ENCODER_CACHE_FIELD_NUMBER: _builtins.int
     role: Global___ServiceRole.ValueType
     """Role of this service."""
     instance_id: _builtins.str
@@ -284,6 +285,10 @@ class ServiceInfo(_message.Message):
         features by capability, never by version number.
         """
 
+    @_builtins.property
+    def encoder_cache(self) -> Global___EncoderCacheInfo:
+        """Set by encoders that cache their outputs. Since contract 1.2."""
+
     def __init__(
         self,
         *,
@@ -295,14 +300,48 @@ class ServiceInfo(_message.Message):
         instance_id: _builtins.str = ...,
         capabilities: _abc.Iterable[_builtins.str] | None = ...,
         software_version: _builtins.str = ...,
+        encoder_cache: Global___EncoderCacheInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["contract_version", b"contract_version", "model", b"model"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["contract_version", b"contract_version", "encoder_cache", b"encoder_cache", "model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "contract_version", b"contract_version", "embedding_specs", b"embedding_specs", "instance_id", b"instance_id", "model", b"model", "role", b"role", "software_version", b"software_version", "transports", b"transports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "contract_version", b"contract_version", "embedding_specs", b"embedding_specs", "encoder_cache", b"encoder_cache", "instance_id", b"instance_id", "model", b"model", "role", b"role", "software_version", b"software_version", "transports", b"transports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServiceInfo: _TypeAlias = ServiceInfo  # noqa: Y015
+
+@_typing.final
+class EncoderCacheInfo(_message.Message):
+    """How an encoder caches its outputs, so a router can find an item in the shared store itself."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_PREFIX_FIELD_NUMBER: _builtins.int
+    SHARED_STORE_FIELD_NUMBER: _builtins.int
+    LOCAL_CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
+    key_prefix: _builtins.str
+    """Prefix of this encoder's store keys, ending in the namespace digest (model identity, weights,
+    dtype, contract); an item's key is "<key_prefix>/<mm_hash>". Encoders with equal prefixes
+    produce interchangeable entries.
+    """
+    shared_store: _builtins.bool
+    """Whether the encoder reads and publishes the shared store (Mooncake Store), not only a local cache."""
+    local_capacity_bytes: _builtins.int
+    """Capacity of the encoder's local cache, in bytes."""
+    def __init__(
+        self,
+        *,
+        key_prefix: _builtins.str = ...,
+        shared_store: _builtins.bool = ...,
+        local_capacity_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_prefix", b"key_prefix", "local_capacity_bytes", b"local_capacity_bytes", "shared_store", b"shared_store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EncoderCacheInfo: _TypeAlias = EncoderCacheInfo  # noqa: Y015
 
 @_typing.final
 class GetServiceInfoRequest(_message.Message):
