@@ -1,12 +1,14 @@
 """The encoder's output cache in a live E/P/D stack: 16 concurrent requests carrying the same new
-image cost exactly one encode (single-flight), a later one none (local hit), and every request
-still gets its own embedding handle (pools back to empty). The shared store across stacks, the
+image, through two routers onto two encoders, cost exactly one encode (the routers place the item
+on one encoder, whose single-flight computes it once), a later one none (local hit), and every
+request still gets its own embedding handle (pools back to empty). The shared store across stacks, the
 router's short-circuit, a store killed mid-load and poisoned entries: test_shared_store.py."""
 
 from __future__ import annotations
 
 import re
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from libs.client.generate import build_request
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
 from libs.engine.media import synthetic
-from libs.launch.process import free_port
+from libs.launch.process import ServiceProcess, free_port
 from libs.launch.stack import Stack, StackSpec
 from tests.services.conftest import run_requests, wait_pools_empty
 
@@ -24,15 +26,16 @@ def _counter(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE))
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_same_new_image_is_encoded_once(model_path: Path, tmp_path: Path) -> None:
-    port = free_port()
+    """16 concurrent requests, half through a second router, two encoders: one encode in all."""
+    ports = [free_port(), free_port()]
     spec = StackSpec(
         layout="e/p/d",
-        encoders=1,
+        encoders=2,
         model=model_path,
         run_dir=tmp_path,
-        extra_args={"encoder-0": ["--metrics-port", str(port)]},
+        extra_args={f"encoder-{i}": ["--metrics-port", str(port)] for i, port in enumerate(ports)},
     )
     image = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(72, 56, seed=1234))
 
@@ -42,12 +45,32 @@ def test_same_new_image_is_encoded_once(model_path: Path, tmp_path: Path) -> Non
         )
 
     with Stack(spec).running() as stack:
-        first = run_requests(stack.address, [request(i) for i in range(16)])
-        later = run_requests(stack.address, [request(16)])
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        p = stack.processes
+        second_router = ServiceProcess(
+            "router-2",
+            "services.router",
+            [
+                *("--encoders", f"{p['encoder-0'].address},{p['encoder-1'].address}"),
+                *("--prefill", p["prefill"].address, "--decode", p["decode"].address),
+            ],
+            log_path=tmp_path / "router-2.log",
+        )
+        second_router.start()
+        try:
+            address_2 = second_router.wait_ready(60)
+            with ThreadPoolExecutor(2) as pool:
+                halves = [
+                    pool.submit(run_requests, stack.address, [request(i) for i in range(8)]),
+                    pool.submit(run_requests, address_2, [request(i) for i in range(8, 16)]),
+                ]
+                first = [r for half in halves for r in half.result(timeout=120)]
+            later = run_requests(stack.address, [request(16)])
+        finally:
+            second_router.stop()
+        texts = [urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=10).read().decode() for p in ports]
         wait_pools_empty(stack)
-    assert len({tuple(r.token_ids) for r in [*first, *later]}) == 1  # same item, same tokens
-    assert _counter(metrics, "epd_cache_computes_total") == 1
-    lookups = _counter(metrics, "epd_cache_lookups_total")
-    joins = _counter(metrics, "epd_cache_flight_joins_total")
+    assert len(first) == 16 and len({tuple(r.token_ids) for r in [*first, *later]}) == 1  # same item, same tokens
+    assert sum(_counter(t, "epd_cache_computes_total") for t in texts) == 1
+    lookups = sum(_counter(t, "epd_cache_lookups_total") for t in texts)
+    joins = sum(_counter(t, "epd_cache_flight_joins_total") for t in texts)
     assert lookups >= 2 and joins + lookups >= 17  # everyone else shared the flight or hit the cache

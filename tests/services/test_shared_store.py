@@ -97,7 +97,9 @@ def _spec(model: Path, run_dir: Path, master: str, ports: Ports) -> StackSpec:
 @pytest.mark.timeout(300)
 def test_router_short_circuit_and_a_store_killed_mid_load(model_path: Path, tmp_path: Path) -> None:
     store = start_store(tmp_path / "store", segment_size=64 << 20)
-    short = [_image_request(seed) for seed in range(6)]  # B serves these from the store
+    # B serves these from the store: images, a video and an audio clip.
+    short = [_image_request(seed) for seed in range(4)]
+    short += [request_for(MIXES[name], max_tokens=4, request_id=name) for name in ("video", "audio")]
     during = [_image_request(seed) for seed in range(100, 108)]  # in flight when the store dies
     try:
         a_ports, b_ports = Ports(), Ports()
