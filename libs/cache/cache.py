@@ -114,7 +114,7 @@ class EncoderCache:
             self.config.local_max_bytes, self.config.local_max_entries, lambda e: e.nbytes
         )
         self._metrics = _Metrics(meter or metrics.get_meter("epd"))
-        self._flights: SingleFlight[tuple[CacheEntry, Source]] = SingleFlight()
+        self._flights: SingleFlight[tuple[CacheEntry, Source] | None] = SingleFlight()
         # Jobs for the publisher thread, in order: (key, entry) puts, (key, None) removals; None stops it.
         self._queue: queue.Queue[tuple[CacheKey, CacheEntry | None, trace.SpanContext] | None] = queue.Queue(
             self.config.publish_queue
@@ -151,15 +151,29 @@ class EncoderCache:
         A compute error reaches every caller of that flight and is not cached; a computed entry that
         fails validation raises `EntryError` and is not cached either.
         """
+        result = await self._shared(key, compute)
+        if result is None:  # joined a load-only flight that missed: start one that computes
+            result = await self._shared(key, compute)
+        assert result is not None, "a flight with a compute step always has an entry"
+        return result
+
+    async def get_or_load(self, key: CacheKey) -> CacheResult | None:
+        """The entry for `key` from the LRU or the store, never computed; None on a miss. Concurrent
+        callers share one store load, and one joining a computing flight gets the computed entry."""
+        return await self._shared(key, None)
+
+    async def _shared(self, key: CacheKey, compute: Callable[[], Awaitable[CacheEntry]] | None) -> CacheResult | None:
         entry = self.lookup_local(key)
         if entry is not None:
             return CacheResult(entry, Source.LOCAL, shared=False)
-        (entry, source), joined = await self._flights.run(key.store_key, lambda: self._fill(key, compute))
+        found, joined = await self._flights.run(key.store_key, lambda: self._fill(key, compute))
         if joined:
             self._metrics.add("joins")
-        return CacheResult(entry, source, shared=joined)
+        return None if found is None else CacheResult(found[0], found[1], shared=joined)
 
-    async def _fill(self, key: CacheKey, compute: Callable[[], Awaitable[CacheEntry]]) -> tuple[CacheEntry, Source]:
+    async def _fill(
+        self, key: CacheKey, compute: Callable[[], Awaitable[CacheEntry]] | None
+    ) -> tuple[CacheEntry, Source] | None:
         entry = self.local.get(key.store_key)  # a flight that landed just before this one started
         if entry is not None:
             self._metrics.add("lookups", "local_hit")
@@ -168,6 +182,8 @@ class EncoderCache:
         self._metrics.add("lookups", "store_hit" if entry is not None else "miss")
         if entry is not None:
             return entry, Source.STORE
+        if compute is None:
+            return None
         self._metrics.add("computes")
         entry = await compute()
         self.publish(key, entry)

@@ -96,11 +96,13 @@ class EncoderCore:
         """CACHE_POLICY_CACHED_ONLY: the local cache or the shared store, never the tower."""
         if self.cache is None:
             raise NotFound(f"items[{position}]: this encoder keeps no cache")
-        entry = await self.cache.lookup(self.cache.key(media_hash(media)))
-        if entry is None:
+        result = await self.cache.get_or_load(self.cache.key(media_hash(media)))
+        if result is None:
             raise NotFound(f"items[{position}]: not in the encoder cache or the shared store")
-        trace.get_current_span().add_event("epd.cache", {"epd.cache.source": "cached_only", "epd.cache.shared": False})
-        return entry.to_item(media.item_index)
+        trace.get_current_span().add_event(
+            "epd.cache", {"epd.cache.source": result.source.value, "epd.cache.shared": result.shared}
+        )
+        return result.entry.to_item(media.item_index)
 
     async def _through_cache(self, cache: EncoderCache, media: MediaInput) -> EncodedItem:
         """Local cache, then the shared store, then the tower; concurrent requests for one item

@@ -246,3 +246,51 @@ def test_store_loads_are_cache_load_stage_spans(metrics: Metrics, monkeypatch: p
     assert attrs["epd.stage"] == "cache_load" and attrs["epd.cache.status"] == "ok"
     assert attrs["epd.cache.key"] == key.store_key
     cache.close()
+
+
+def test_load_only_callers_share_one_store_load_and_never_compute(metrics: Metrics) -> None:
+    store = FakeStore()
+    key, entry = make_entry()
+    store.data[key.store_key] = encode(entry)
+    missing, _ = make_entry(b"not stored")
+    cache = new_cache(store, metrics)
+
+    async def run() -> None:
+        results = await asyncio.gather(*(cache.get_or_load(key) for _ in range(8)))
+        assert all(r is not None and r.source is Source.STORE for r in results)
+        assert await cache.get_or_load(missing) is None
+
+    asyncio.run(run())
+    gets = [k for op, k in store.calls if op == "get"]
+    assert gets == [key.store_key, missing.store_key]  # one load per key for all callers
+    assert ("epd.cache.computes", "") not in metrics.counters()
+    cache.close()
+
+
+def test_load_only_and_computing_callers_share_flights(metrics: Metrics) -> None:
+    cache = new_cache(FakeStore(), metrics)
+    key, entry = make_entry()
+    compute = Computer(entry)
+
+    async def joins_a_computing_flight() -> None:
+        compute.gate.clear()
+        computing = asyncio.ensure_future(cache.get_or_compute(key, compute))
+        await asyncio.sleep(0.01)
+        loading = asyncio.ensure_future(cache.get_or_load(key))
+        await asyncio.sleep(0.01)
+        compute.gate.set()
+        loaded = await loading
+        assert loaded is not None and loaded.entry is entry and loaded.shared
+        await computing
+
+    async def computes_after_a_load_only_flight_missed() -> None:
+        other, other_entry = make_entry(b"other item")
+        loading = asyncio.ensure_future(cache.get_or_load(other))
+        computing = asyncio.ensure_future(cache.get_or_compute(other, Computer(other_entry)))
+        assert await loading is None
+        assert (await computing).source is Source.COMPUTED
+
+    asyncio.run(joins_a_computing_flight())
+    asyncio.run(computes_after_a_load_only_flight_missed())
+    assert compute.calls == 1
+    cache.close()
