@@ -53,8 +53,8 @@ lint: deps ## ruff, mypy (strict) and the import layering contracts
 test: deps proto-check lint ## the whole suite (what CI runs)
 	$(PY) -m pytest
 
-run: deps models ## the main job: E/P/D stack (2 encoders) on loopback, sample requests, timings, clean stop
-	$(BIN)/epd demo --layout e/p/d --encoders 2
+run: deps models ## the main job: E/P/D stack (2 encoders, shared encoder cache) on loopback, sample requests, timings, clean stop
+	$(BIN)/epd demo --layout e/p/d --encoders 2 --cache-store
 
 MODEL_DIR := var/models/qwen2_5_omni-tiny
 
