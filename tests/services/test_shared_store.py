@@ -89,7 +89,8 @@ def _spec(model: Path, run_dir: Path, master: str, ports: Ports) -> StackSpec:
         env={"EPD_TRACE_EXPORTER": "jsonl", "EPD_TRACE_FILE": str(run_dir / "spans.jsonl")},
         extra_args={
             "encoder-0": [*cache, "--metrics-port", str(ports.encoder)],
-            "router": [*cache, "--metrics-port", str(ports.router)],
+            # A generous lookup deadline: on a loaded CI host a late answer would count as a miss.
+            "router": [*cache, "--metrics-port", str(ports.router), "--cache-lookup-timeout-s", "2"],
         },
     )
 
@@ -192,7 +193,7 @@ def test_poisoned_store_entries_are_never_served(
         cache_store=True,  # master + holder started and stopped by the launcher
         extra_args={
             "encoder-0": ["--metrics-port", str(ports.encoder)],
-            "router": ["--metrics-port", str(ports.router)],
+            "router": ["--metrics-port", str(ports.router), "--cache-lookup-timeout-s", "2"],
         },
     )
     runner = EncoderRunner(model_path)
