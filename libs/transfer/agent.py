@@ -9,9 +9,10 @@ decode); `TensorProducer` and `TensorConsumer` are built on it. It:
   peer's READ issued after a notification completes without waiting for our next poll;
 - maps the `MemoryPool` and registers it with NIXL exactly once, then takes the agent metadata
   (the ~430-byte blob peers load; it must be taken after registration);
-- runs one service thread that collects NIXL notifications (`busy_poll_s` while something is
-  outstanding, `idle_poll_s` otherwise, so an idle agent costs <1% of a core), dispatches them to the
-  producer, runs periodic tasks (lease reaper) and releases quarantined slots;
+- runs one service thread that sends the consumer's queued acknowledgments (`notify_soon`: woken
+  at once), collects NIXL notifications (`busy_poll_s` while something is outstanding, `idle_poll_s`
+  otherwise, so an idle agent costs <1% of a core), dispatches them to the producer, runs periodic
+  tasks (lease reaper) and releases quarantined slots;
 - wraps every NIXL call a transfer needs and turns NIXL exceptions into typed `TransferError`s.
 
 All methods are thread-safe (NIXL runs in STRICT thread-sync mode). NIXL has no timeouts: callers
@@ -20,6 +21,7 @@ wait with deadlines of their own (see `TensorConsumer`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 import os
@@ -97,6 +99,7 @@ class TransferAgent:
         self._handlers: list[NotificationHandler] = []
         self._tasks: list[PeriodicTask] = []
         self._quarantine: list[_Quarantined] = []
+        self._acks: collections.deque[tuple[str, bytes]] = collections.deque()
         self._state_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -214,6 +217,12 @@ class TransferAgent:
         read.released = True
         return True
 
+    def notify_soon(self, peer: str, message: bytes) -> None:
+        """Have the service thread send a notification (`notify`) right away, off the caller's path.
+        Sent in the order queued; pending ones are still sent by `close()`."""
+        self._acks.append((peer, message))
+        self._wake.set()
+
     def notify(self, peer: str, message: bytes) -> bool:
         """Send a notification; False (logged) if the peer is gone, which the caller may ignore."""
         if self._closed:
@@ -238,6 +247,7 @@ class TransferAgent:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
+        self._send_queued()
         with self._state_lock:
             for entry in self._quarantine:
                 if entry.read is not None:
@@ -280,7 +290,16 @@ class TransferAgent:
                 busy = True
             self._wake.wait(self.config.busy_poll_s if busy else self.config.idle_poll_s)
 
+    def _send_queued(self) -> None:
+        while True:
+            try:
+                peer, message = self._acks.popleft()
+            except IndexError:  # empty (close() and a late tick may drain it together)
+                return
+            self.notify(peer, message)
+
     def _tick(self) -> bool:
+        self._send_queued()
         for peer, messages in self._nixl.get_new_notifs().items():
             sender = peer.decode() if isinstance(peer, bytes) else str(peer)
             for message in messages:

@@ -136,8 +136,10 @@ def check_expected(handle: tensor_pb2.TensorHandle, expected: Mapping[str, Expec
 
 def view_tensor(buffer: Any, offset: int, spec: tensor_pb2.TensorSpec) -> torch.Tensor:
     """A tensor over `buffer[offset:]` with `spec`'s dtype and shape, sharing the memory."""
+    shape = tuple(spec.shape)
+    numel = math.prod(shape)
     torch_dtype = TORCH_DTYPES[spec.dtype]
-    numel = math.prod(spec.shape)
     if numel == 0:
-        return torch.empty(tuple(spec.shape), dtype=torch_dtype)
-    return torch.frombuffer(buffer, dtype=torch_dtype, count=numel, offset=offset).view(tuple(spec.shape))
+        return torch.empty(shape, dtype=torch_dtype)
+    flat = torch.frombuffer(buffer, dtype=torch_dtype, count=numel, offset=offset)
+    return flat if len(shape) == 1 else flat.view(shape)

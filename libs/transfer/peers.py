@@ -44,20 +44,27 @@ class PeerDirectory:
         self._resolve = resolve
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
+        # agent name -> instance id of the incarnation loaded now: the lock-free path of `ensure`
+        # (entries change only under the peer's lock).
+        self._loaded: dict[str, str] = {}
         self.resolve_calls = 0
 
     def ensure(self, ref: tensor_pb2.NixlAgentRef) -> str:
         """Make `ref`'s agent readable; returns its NIXL name. Raises `StaleHandle` for a retired
         incarnation, `PeerUnavailable` when its metadata cannot be obtained or loaded."""
         name = ref.agent_name
+        instance_id = ref.instance_id
+        if self._loaded.get(name) == instance_id:
+            return name
         with self._lock:
-            peer = self._peers.setdefault(name, _Peer(instance_id=ref.instance_id))
+            peer = self._peers.setdefault(name, _Peer(instance_id=instance_id))
         with peer.lock:
             if ref.instance_id in peer.retired:
                 raise StaleHandle(f"agent {name} incarnation {ref.instance_id} was replaced (peer restarted)")
             if peer.loaded and peer.instance_id == ref.instance_id:
                 return name
             if peer.loaded:
+                self._loaded.pop(name, None)
                 self._agent.forget_peer(name)
                 peer.retired.append(peer.instance_id)
                 peer.loaded = False
@@ -70,6 +77,7 @@ class PeerDirectory:
                     "(it restarted); the handle is stale"
                 )
             peer.loaded = True
+            self._loaded[name] = peer.instance_id
             return name
 
     def forget(self, name: str) -> None:
@@ -80,6 +88,7 @@ class PeerDirectory:
             return
         with peer.lock:
             if peer.loaded:
+                self._loaded.pop(name, None)
                 self._agent.forget_peer(name)
                 peer.loaded = False
 

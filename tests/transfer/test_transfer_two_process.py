@@ -265,6 +265,26 @@ def test_consumer_pool_exhaustion_leaves_the_lease_to_the_producer(producer_peer
 
 
 @pytest.mark.timeout(30)
+def test_acks_go_out_from_the_service_thread_and_on_close(producer_peer: PeerProcess) -> None:
+    # `fetch` queues the ack for the agent's service thread; one still queued when the agent closes
+    # is sent by close(), so the producer frees the lease at once instead of at its expiry.
+    resolver = Resolver()
+    resolver.add(producer_peer)
+    acked_before = producer_peer.wait_leases_settled()["leases"]["acked"]
+    with TransferAgent(TransferConfig(pool_bytes=4 * MiB)) as agent:
+        consumer = TensorConsumer(agent, resolver)
+        for seed in range(3):
+            published = producer_peer.put([("embeddings", (64 * KiB,), "uint8")], seed=seed)
+            with consumer.fetch(published.handle) as received:
+                assert_bit_exact(received, published)
+        assert producer_peer.wait_leases_settled()["leases"]["acked"] == acked_before + 3
+        published = producer_peer.put([("embeddings", (64 * KiB,), "uint8")], seed=3)
+        consumer.fetch(published.handle).release()
+    stats = producer_peer.wait_leases_settled()
+    assert stats["leases"]["acked"] == acked_before + 4 and stats["leases"]["active"] == 0
+
+
+@pytest.mark.timeout(30)
 def test_idle_agent_uses_almost_no_cpu(producer_peer: PeerProcess) -> None:
     producer_peer.wait_leases_settled()
     before, started = producer_peer.cpu_seconds(), time.monotonic()
