@@ -13,6 +13,7 @@ import grpc
 
 from libs.contract.epd.v1 import chat_pb2, generate_pb2, generate_pb2_grpc, generation_pb2, media_pb2, sampling_pb2
 from libs.rpc import server as rpc_server
+from libs.rpc.retry import went_away
 
 _MODALITY_BY_TYPE = {
     "image": media_pb2.MODALITY_IMAGE,
@@ -64,7 +65,8 @@ class GenerationResult:
     completion_tokens: int = 0
     ttft_s: float = 0.0
     total_s: float = 0.0
-    retries: int = 0  # calls refused with UNAVAILABLE before any token, then retried
+    retries: int = 0  # calls that failed retryably before any token, then retried
+    retried_codes: list[str] = field(default_factory=list)  # the status code of each retried call
 
     @property
     def inter_token_s(self) -> float:
@@ -80,19 +82,22 @@ async def generate(
     timeout_s: float | None = 120.0,
     on_text: Callable[[str], None] | None = None,
     retry_unavailable: bool = False,
+    max_retries: int = 100,
 ) -> GenerationResult:
     """Call `Generate` and collect the stream; `on_text` sees each text delta as it arrives.
 
-    With `retry_unavailable`, a call refused with UNAVAILABLE before any token arrived (a router
-    restarting or draining) is retried, and the channel waits for the server to be ready, until the
-    deadline: what a client of a service under a rolling upgrade does.
+    With `retry_unavailable`, a call that failed before any token arrived because the server was
+    going away (`libs.rpc.retry.went_away`: UNAVAILABLE while it drains or restarts, or the
+    CANCELLED grpc core gives calls still queued when a server stops) is retried after a pause
+    growing to 0.5 s, at most `max_retries` times and within the deadline, the channel waiting for
+    the server to be ready: what a client of a service under a rolling upgrade does.
     """
     stub = generate_pb2_grpc.GenerateServiceStub(channel)
     started = time.perf_counter()
     deadline = None if timeout_s is None else started + timeout_s
-    retries = 0
+    retried: list[str] = []
     while True:
-        result = GenerationResult(retries=retries)
+        result = GenerationResult(retries=len(retried), retried_codes=list(retried))
         left = None if deadline is None else deadline - time.perf_counter()
         try:
             async for response in stub.Generate(request, timeout=left, wait_for_ready=retry_unavailable or None):
@@ -109,11 +114,13 @@ async def generate(
                     result.prompt_tokens = response.usage.prompt_tokens
                     result.completion_tokens = response.usage.completion_tokens
         except grpc.aio.AioRpcError as exc:
-            again = retry_unavailable and exc.code() == grpc.StatusCode.UNAVAILABLE and not result.token_ids
-            if not again or (deadline is not None and deadline - time.perf_counter() < 0.2):
+            again = retry_unavailable and went_away(exc.code()) and not result.token_ids
+            pause = min(0.5, 0.05 * 1.5 ** len(retried))
+            out_of_time = deadline is not None and deadline - time.perf_counter() < 2 * pause
+            if not again or len(retried) >= max_retries or out_of_time:
                 raise
-            retries += 1
-            await asyncio.sleep(0.1)
+            retried.append(exc.code().name)
+            await asyncio.sleep(pause)
             continue
         result.total_s = time.perf_counter() - started
         return result

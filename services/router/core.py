@@ -44,6 +44,7 @@ from libs.contract.epd.v1 import (
 from libs.contract.errors import DeadlineExceeded, EpdError, FailedPrecondition, InvalidArgument, Unavailable
 from libs.contract.validation import Limits, validate_generate_request
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
+from libs.rpc.retry import stopping
 from libs.telemetry.stages import calls_under, phase, start_phase
 from services.router.cache_lookup import CacheLookup, item_hash
 from services.router.encoders import EncoderPool
@@ -51,7 +52,16 @@ from services.router.encoders import EncoderPool
 _log = structlog.get_logger(__name__)
 
 # Encoder failures worth another encoder; anything else (bad media) goes back to the client.
-_RETRYABLE_ENCODE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
+# CANCELLED: the encoder stopped before handling the job (libs/rpc/retry.py).
+_RETRYABLE_ENCODE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+}
+# How long, at most, one call waits out a draining or stopping stage before giving up (seconds):
+# a grace period plus a replacement's start-up.
+_DRAIN_WAIT_S = 60.0
 # Prefill failures meaning "an embedding is gone" (expired, encoder restarted or dead, slot reclaimed
 # and reused): re-encode once before any token was streamed.
 _EMBEDDING_GONE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS}
@@ -114,15 +124,25 @@ def _remaining(deadline: float | None) -> float | None:
     return left
 
 
-async def _wait_out_drain(exc: grpc.aio.AioRpcError, deadline: float | None, pause_s: float = 0.1) -> bool:
-    """For a singleton stage that refused work because it is draining for a restart: wait a moment
-    (the replacement comes up; calls use wait_for_ready) and say whether to try again."""
-    if exc.code() != grpc.StatusCode.UNAVAILABLE or "draining" not in (exc.details() or ""):
-        return False
-    if deadline is not None and deadline - time.monotonic() <= pause_s:
-        return False
-    await asyncio.sleep(pause_s)
-    return True
+class DrainWait:
+    """Waiting out a stage that refused a call because it is draining for a restart or stopping
+    (`libs.rpc.retry.stopping`): pause (the replacement comes up; calls use wait_for_ready) and try
+    again, within the request's deadline and `_DRAIN_WAIT_S`."""
+
+    def __init__(self, deadline: float | None, pause_s: float = 0.1) -> None:
+        self._deadline = deadline
+        self._pause_s = pause_s
+        self._give_up = time.monotonic() + _DRAIN_WAIT_S
+
+    async def again(self, exc: grpc.aio.AioRpcError) -> bool:
+        """Whether to retry the call that failed with `exc` (after the pause)."""
+        if not stopping(exc.code(), exc.details()):
+            return False
+        end = self._give_up if self._deadline is None else min(self._give_up, self._deadline)
+        if end - time.monotonic() <= self._pause_s:
+            return False
+        await asyncio.sleep(self._pause_s)
+        return True
 
 
 def _rpc_error(stage: str, exc: grpc.aio.AioRpcError) -> RpcFailed:
@@ -241,6 +261,7 @@ class Router:
         tried: set[str] = set()
         compute = False  # an encoder had no entry for a CACHED_ONLY job: compute from then on
         check = self._backends.check_encoder
+        drain = DrainWait(deadline)
         while True:
             address = self._encoders.pick(exclude=tried, key=key)
             tried.add(address)
@@ -282,6 +303,11 @@ class Router:
                     continue
                 if exc.code() in _RETRYABLE_ENCODE and len(tried) < 2 and len(tried) < len(self._encoders.outstanding):
                     _log.warning("encoder failed; retrying elsewhere", encoder=address, code=exc.code().name)
+                    continue
+                if await drain.again(exc):
+                    # Every encoder we may try is draining or stopping (a rolling restart): wait
+                    # for one to take work again.
+                    tried.clear()
                     continue
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     # The encoder names the field within its own request: items[0].media.X.
@@ -347,6 +373,7 @@ class Router:
         )
         try:
             with phase("epd.prefill"):
+                drain = DrainWait(deadline)
                 while True:
                     try:
                         first = await b.prefill.Prefill(
@@ -354,7 +381,7 @@ class Router:
                         )
                         break
                     except grpc.aio.AioRpcError as exc:
-                        if not await _wait_out_drain(exc, deadline):
+                        if not await drain.again(exc):
                             raise
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error("prefill", exc) from None
@@ -374,6 +401,7 @@ class Router:
         )
         span = start_phase("epd.decode")
         replies = 0
+        drain = DrainWait(deadline)
         try:
             while True:
                 with calls_under(span):
@@ -386,7 +414,7 @@ class Router:
                     break
                 except grpc.aio.AioRpcError as exc:
                     # A decode that refused us before reading anything: the KV is still held.
-                    if replies or not await _wait_out_drain(exc, deadline):
+                    if replies or not await drain.again(exc):
                         raise
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error("decode", exc) from None

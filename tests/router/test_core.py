@@ -6,6 +6,7 @@ services."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -309,33 +310,82 @@ def test_incompatible_encoder_is_skipped_at_first_contact() -> None:
         asyncio.run(h.tokens(_request(1)))
 
 
-def test_singleton_stage_draining_for_a_restart_is_waited_out() -> None:
+# How a stage going away for a restart answers: its admission refuses while it drains, then grpc
+# core cancels the calls still queued when the server stops (libs/rpc/retry.py).
+GOING_AWAY = {
+    "draining": (grpc.StatusCode.UNAVAILABLE, "stage is draining for shutdown; retry elsewhere or later"),
+    "stopped": (grpc.StatusCode.CANCELLED, "CANCELLED"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(GOING_AWAY))
+def test_singleton_stage_going_away_for_a_restart_is_waited_out(how: str) -> None:
+    code, details = GOING_AWAY[how]
     h = Harness()
     calls = {"prefill": 0, "decode": 0}
     prefill, decode = h.prefill.Prefill, h.decode.Decode
 
-    async def draining_prefill(request: Any, timeout: float | None = None, **kw: Any) -> Any:
+    async def refusing_prefill(request: Any, timeout: float | None = None, **kw: Any) -> Any:
         calls["prefill"] += 1
-        if calls["prefill"] == 1:
-            raise _error(grpc.StatusCode.UNAVAILABLE, "prefill is draining for shutdown; retry elsewhere or later")
+        if calls["prefill"] <= 2:
+            raise _error(code, details)
         return await prefill(request, timeout=timeout)
 
-    def draining_decode(request: Any, timeout: float | None = None, **kw: Any) -> AsyncIterator[Any]:
+    def refusing_decode(request: Any, timeout: float | None = None, **kw: Any) -> AsyncIterator[Any]:
         calls["decode"] += 1
-        if calls["decode"] == 1:
+        if calls["decode"] <= 2:
 
             async def refuse() -> AsyncIterator[Any]:
-                raise _error(grpc.StatusCode.UNAVAILABLE, "decode is draining for shutdown; retry elsewhere or later")
+                raise _error(code, details)
                 yield  # pragma: no cover
 
             return refuse()
         return decode(request, timeout=timeout)
 
-    h.prefill.Prefill = draining_prefill  # type: ignore[method-assign]
-    h.decode.Decode = draining_decode  # type: ignore[method-assign]
+    h.prefill.Prefill = refusing_prefill  # type: ignore[method-assign]
+    h.decode.Decode = refusing_decode  # type: ignore[method-assign]
     assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
-    assert calls == {"prefill": 2, "decode": 2}
+    assert calls == {"prefill": 3, "decode": 3}
+    assert len(h.log) == 1  # waited out, not re-encoded
     assert h.leases.released == {}  # nothing was abandoned on the way
+
+
+@pytest.mark.parametrize("how", sorted(GOING_AWAY))
+def test_every_encoder_going_away_is_waited_out(how: str) -> None:
+    code, details = GOING_AWAY[how]
+    h = Harness()
+    refusals: list[str] = []
+    for encoder in h.encoders.values():
+        original = encoder.Encode
+
+        async def encode(req: Any, timeout: float | None = None, _o: Any = original, _a: str = encoder.address) -> Any:
+            if len(refusals) < 4:  # both encoders, twice each
+                refusals.append(_a)
+                raise _error(code, details)
+            return await _o(req, timeout=timeout)
+
+        encoder.Encode = encode  # type: ignore[method-assign]
+    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    assert sorted(refusals) == ["enc0", "enc0", "enc1", "enc1"]
+    assert len(h.log) == 1
+
+
+def test_a_stage_that_keeps_refusing_fails_at_the_deadline() -> None:
+    h = Harness()
+
+    async def refusing_prefill(request: Any, timeout: float | None = None, **kw: Any) -> Any:
+        raise _error(grpc.StatusCode.CANCELLED, "CANCELLED")
+
+    h.prefill.Prefill = refusing_prefill  # type: ignore[method-assign]
+
+    async def run() -> None:
+        async for _ in h.router.generate(_request(1), deadline=time.monotonic() + 0.5):
+            pass
+
+    with pytest.raises(RpcFailed) as failed:
+        asyncio.run(run())
+    assert failed.value.code == grpc.StatusCode.CANCELLED and failed.value.stage == "prefill"
+    assert sum(len(ids) for ids in h.leases.released.values()) == 1  # the embedding's lease, released
 
 
 def test_other_unavailable_from_prefill_is_not_retried_as_a_drain() -> None:
