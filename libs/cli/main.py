@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -18,21 +19,23 @@ from pathlib import Path
 from libs.client.generate import build_request, generate, media_from_file, open_channel
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
 from libs.launch.process import LaunchError
-from libs.launch.stack import LAYOUTS, Stack, StackSpec
+from libs.launch.stack import CLIENT_TOKEN, LAYOUTS, TLS_DIR, Stack, StackSpec
 
 DEFAULT_MODEL = Path("var/models/qwen2_5_omni-tiny")
-ADDRESS_FILE = Path("var/run/stack/router.address")
+DEFAULT_RUN_DIR = Path("var/run/stack")
+ADDRESS_FILE = "router.address"  # in the run directory, while `epd up` runs
 
 
 def ensure_model(path: Path) -> Path:
-    """The default tiny checkpoint is generated on first use (seeded, no download)."""
-    if (path / "config.json").exists():
-        return path
+    """The default tiny checkpoint is generated on first use, and again when its recipe changed
+    (seeded, no download)."""
     if path != DEFAULT_MODEL:
-        raise SystemExit(f"epd: no checkpoint at {path} (config.json missing)")
+        if not (path / "config.json").exists():
+            raise SystemExit(f"epd: no checkpoint at {path} (config.json missing)")
+        return path
     from libs.engine.checkpoints import ensure_checkpoint  # torch import only when needed
 
-    print(f"generating the tiny Qwen2.5-Omni checkpoint in {path} ...", file=sys.stderr)
+    print(f"checking the tiny Qwen2.5-Omni checkpoint in {path} ...", file=sys.stderr)
     return ensure_checkpoint("qwen2_5_omni", "tiny")
 
 
@@ -40,7 +43,7 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=LAYOUTS, default="e/p/d", help="deployment layout (default e/p/d)")
     parser.add_argument("--encoders", type=int, default=2, help="encoder processes (default 2)")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory")
-    parser.add_argument("--run-dir", type=Path, default=Path("var/run/stack"), help="service logs go here")
+    parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="service logs go here")
     parser.add_argument(
         "--trace-exporter", choices=("none", "jsonl", "otlp"), default="jsonl", help="where services send spans"
     )
@@ -52,6 +55,12 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
         help="start a Mooncake Store (master + holder) that the encoders share and the router looks items up in",
     )
     parser.add_argument("--cache-store-mib", type=int, default=256, help="memory the store's holder lends, in MiB")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="throwaway CA and certificates: services talk mutual TLS; clients need RUN_DIR/tls/ca.pem and the "
+        "bearer token in RUN_DIR/tls/client.token (epd generate finds both)",
+    )
 
 
 def _spec(ns: argparse.Namespace) -> StackSpec:
@@ -68,6 +77,7 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
         env=env,
         cache_store=ns.cache_store,
         cache_store_mib=ns.cache_store_mib,
+        tls=ns.tls,
     )
 
 
@@ -78,10 +88,13 @@ def cmd_up(ns: argparse.Namespace) -> int:
     except LaunchError as exc:
         print(f"epd up: {exc}", file=sys.stderr)
         return 1
-    ADDRESS_FILE.parent.mkdir(parents=True, exist_ok=True)
-    ADDRESS_FILE.write_text(address)
+    address_file = ns.run_dir / ADDRESS_FILE
+    address_file.parent.mkdir(parents=True, exist_ok=True)
+    address_file.write_text(address)
     pids = ", ".join(f"{name} {p.pid}" for name, p in stack.processes.items())
     print(f"router listening on {address}  ({ns.layout}; {pids}; logs in {ns.run_dir})", flush=True)
+    if ns.tls:
+        print(f"TLS: clients need {stack.tls_dir / 'ca.pem'} and the token in {stack.tls_dir / CLIENT_TOKEN}")
     print("Ctrl-C stops the stack.", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -92,7 +105,7 @@ def cmd_up(ns: argparse.Namespace) -> int:
             print(f"epd up: {', '.join(dead)} exited; stopping the stack", file=sys.stderr)
             break
     statuses = stack.down()
-    ADDRESS_FILE.unlink(missing_ok=True)
+    address_file.unlink(missing_ok=True)
     print(f"stopped: {statuses}", flush=True)
     return 0
 
@@ -108,10 +121,28 @@ def _sampling(ns: argparse.Namespace) -> sampling_pb2.SamplingParams:
     return params
 
 
+def _client_security(ns: argparse.Namespace) -> tuple[bytes | None, str | None]:
+    """The router's CA and the bearer token: from flags / EPD_TOKEN, else from an `epd up --tls` run dir."""
+    tls_dir = ns.run_dir / TLS_DIR
+    ca_path = ns.tls_ca or (tls_dir / "ca.pem" if not ns.address and (tls_dir / "ca.pem").exists() else None)
+    token_path = ns.token_file or (tls_dir / CLIENT_TOKEN if ca_path and (tls_dir / CLIENT_TOKEN).exists() else None)
+    token = os.environ.get("EPD_TOKEN") or (token_path.read_text().strip() if token_path else None)
+    return (ca_path.read_bytes() if ca_path else None), token
+
+
 def cmd_generate(ns: argparse.Namespace) -> int:
-    address = ns.address or (ADDRESS_FILE.read_text().strip() if ADDRESS_FILE.exists() else "")
+    address_file = ns.run_dir / ADDRESS_FILE
+    address = ns.address or (address_file.read_text().strip() if address_file.exists() else "")
     if not address:
-        print("epd generate: no --address and no running `epd up` stack found", file=sys.stderr)
+        print(f"epd generate: no --address and no running `epd up` stack in {ns.run_dir}", file=sys.stderr)
+        return 2
+    try:
+        tls_ca, token = _client_security(ns)
+    except OSError as exc:
+        print(f"epd generate: {exc}", file=sys.stderr)
+        return 2
+    if token and tls_ca is None:
+        print("epd generate: a token is only sent over TLS; give --tls-ca", file=sys.stderr)
         return 2
     files = [(p, media_pb2.MODALITY_IMAGE) for p in ns.image or []]
     files += [(p, media_pb2.MODALITY_VIDEO) for p in ns.video or []]
@@ -126,7 +157,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     async def run() -> int:
         import grpc
 
-        async with open_channel(address) as channel:
+        async with open_channel(address, tls_ca=tls_ca, token=token) as channel:
             try:
                 result = await generate(
                     channel, request, timeout_s=ns.timeout, on_text=lambda t: print(t, end="", flush=True)
@@ -199,7 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="send one request to a router and stream the reply")
     gen.add_argument("prompt")
-    gen.add_argument("--address", default="", help=f"router address (default: the one in {ADDRESS_FILE})")
+    gen.add_argument("--address", default="", help=f"router address (default: RUN_DIR/{ADDRESS_FILE})")
+    gen.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="where `epd up` runs (address, tls/)")
+    gen.add_argument("--tls-ca", type=Path, default=None, help="CA of the router's certificate (PEM): use TLS")
+    gen.add_argument("--token-file", type=Path, default=None, help="bearer token file (or env EPD_TOKEN)")
     gen.add_argument("--image", type=Path, action="append", help="image file (repeatable)")
     gen.add_argument("--video", type=Path, action="append", help="video file (repeatable)")
     gen.add_argument("--audio", type=Path, action="append", help="audio file (repeatable)")

@@ -12,8 +12,10 @@ from pathlib import Path
 import grpc
 
 from libs.contract.epd.v1 import chat_pb2, generate_pb2, generate_pb2_grpc, generation_pb2, media_pb2, sampling_pb2
+from libs.rpc import security
 from libs.rpc import server as rpc_server
 from libs.rpc.retry import went_away
+from libs.telemetry.propagation import client_interceptors
 
 _MODALITY_BY_TYPE = {
     "image": media_pb2.MODALITY_IMAGE,
@@ -126,6 +128,19 @@ async def generate(
         return result
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    """A channel to the router with EPD's message-size bounds (and trace context propagation)."""
-    return rpc_server.open_channel(address)
+def open_channel(address: str, *, tls_ca: bytes | None = None, token: str | None = None) -> grpc.aio.Channel:
+    """A channel to the router with EPD's message-size bounds (and trace context propagation).
+
+    `tls_ca`: the CA that signed the router's certificate (TLS; otherwise plaintext, or the
+    process's own TLS identity when it is a configured service). `token`: sent as
+    `authorization: Bearer <token>` on every call; only over TLS."""
+    if tls_ca is None:
+        if token is not None:
+            raise ValueError("a bearer token is only sent over TLS: give the router's CA too")
+        return rpc_server.open_channel(address)
+    credentials = security.client_credentials(tls_ca)
+    if token is not None:
+        credentials = grpc.composite_channel_credentials(credentials, grpc.access_token_call_credentials(token))
+    return grpc.aio.secure_channel(
+        address, credentials, options=rpc_server.channel_options(), interceptors=client_interceptors()
+    )

@@ -1,5 +1,5 @@
 """One settings loader for every service: typed dataclass fields filled from flags and environment."""
 
-from libs.config.settings import CommonSettings, SettingsError, load_settings, setting
+from libs.config.settings import ClientAuthSettings, CommonSettings, SettingsError, load_settings, setting
 
-__all__ = ["CommonSettings", "SettingsError", "load_settings", "setting"]
+__all__ = ["ClientAuthSettings", "CommonSettings", "SettingsError", "load_settings", "setting"]

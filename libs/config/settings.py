@@ -50,6 +50,21 @@ class CommonSettings:
     trace_file: Path = setting(Path("var/traces/spans.jsonl"), "JSONL span file (trace_exporter=jsonl)")
     otlp_endpoint: str = setting("127.0.0.1:4317", "OTLP/gRPC collector address (trace_exporter=otlp)")
     metrics_port: int = setting(0, "serve Prometheus /metrics on 127.0.0.1:PORT; 0 disables it")
+    tls_ca: Path | None = setting(None, "cluster CA (PEM); with --tls-cert and --tls-key, every connection is TLS")
+    tls_cert: Path | None = setting(None, "this process's certificate chain (PEM), CN epd-<role>")
+    tls_key: Path | None = setting(None, "this process's private key (PEM)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientAuthSettings:
+    """Settings of a server that clients call (router, colocated): who may call Generate."""
+
+    auth_tokens_file: Path | None = setting(
+        None, "file of bearer tokens clients must present, one per line (needs TLS); none: no token needed"
+    )
+    auth_tokens: tuple[str, ...] = setting(
+        (), "bearer tokens clients must present, comma-separated (prefer the file: flags show in ps)"
+    )
 
 
 def env_name(field: str) -> str:

@@ -6,10 +6,15 @@
 
 Back ends start in parallel (each loads its half of the model); the router starts once their
 addresses are known. `down()` stops the router first, then the rest, each by its PID.
+
+With `tls`, the launcher makes a throwaway CA (`libs/rpc/certs.py`) and a certificate per process
+under `<run_dir>/tls/`: services talk mutual TLS, and clients need the CA (`ca.pem`) and the bearer
+token in `client.token` to call the router (or the colocated service).
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +23,10 @@ from pathlib import Path
 
 from libs.cache.process import StoreProcesses, start_store
 from libs.launch.process import LaunchError, ServiceProcess
+from libs.rpc.certs import LocalCa, write_material
+
+TLS_DIR = "tls"
+CLIENT_TOKEN = "client.token"
 
 LAYOUTS = ("colocated", "e+pd", "e/p/d")
 
@@ -38,6 +47,8 @@ class StackSpec:
     # looks items up in it before dispatching.
     cache_store: bool = False
     cache_store_mib: int = 256  # memory the holder lends the store, in MiB
+    # Mutual TLS between services and a bearer token for clients (files under run_dir/tls).
+    tls: bool = False
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service (EPD_*)
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service name
     ready_timeout_s: float = 120.0
@@ -55,13 +66,36 @@ class Stack:
         self.processes: dict[str, ServiceProcess] = {}
         self.address = ""
         self.store: StoreProcesses | None = None
+        self._ca: LocalCa | None = None
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.spec.run_dir / TLS_DIR
+
+    def _security_args(self, name: str, module: str) -> list[str]:
+        """A certificate for the process (CN epd-<role>); public servers also get the client token."""
+        if self._ca is None:
+            return []
+        role = module.rsplit(".", 1)[-1]
+        ca, cert, key = write_material(self._ca.issue(role), self.tls_dir, name)
+        args = ["--tls-ca", str(ca), "--tls-cert", str(cert), "--tls-key", str(key)]
+        if role in ("router", "colocated"):
+            args += ["--auth-tokens-file", str(self.tls_dir / CLIENT_TOKEN)]
+        return args
+
+    def _start_tls(self) -> None:
+        self._ca = LocalCa.create()
+        token = self.tls_dir / CLIENT_TOKEN
+        self.tls_dir.mkdir(parents=True, exist_ok=True)
+        token.touch(mode=0o600)
+        token.write_text(secrets.token_urlsafe(32) + "\n")
 
     def _process(self, name: str, module: str, args: list[str]) -> ServiceProcess:
         spec = self.spec
         process = ServiceProcess(
             name=name,
             module=module,
-            args=[*args, *spec.extra_args.get(name, [])],
+            args=[*args, *self._security_args(name, module), *spec.extra_args.get(name, [])],
             log_path=spec.run_dir / f"{name}.log",
             env=spec.env,
         )
@@ -84,6 +118,8 @@ class Stack:
         spec = self.spec
         started = time.monotonic()
         try:
+            if spec.tls:
+                self._start_tls()
             if spec.layout == "colocated":
                 colocated = self._process("colocated", "services.colocated", self._model_args())
                 colocated.start()

@@ -14,9 +14,11 @@ from typing import Any, TypeVar
 
 import structlog
 
-from libs.config import CommonSettings
+from libs.config import ClientAuthSettings, CommonSettings
 from libs.config.settings import main_settings
 from libs.contract.epd.v1 import service_info_pb2
+from libs.rpc import security
+from libs.rpc.security import TlsMaterial
 from libs.rpc.server import EpdServer, ServerOptions
 from libs.telemetry import configure_logging, configure_tracing
 from libs.telemetry.tracing import configure_metrics
@@ -24,6 +26,10 @@ from libs.telemetry.tracing import configure_metrics
 S = TypeVar("S", bound=CommonSettings)
 
 Register = Callable[[Any, Any], None]
+# Sets every service of the server SERVING (True) or NOT_SERVING (False).
+HealthSetter = Callable[[bool], Awaitable[None]]
+# Settings never written to the log.
+_SECRET = {"auth_tokens"}
 
 
 @dataclasses.dataclass
@@ -37,22 +43,47 @@ class ServiceParts:
     on_started: Callable[[str], None] | None = None
     # On shutdown, before the server stops: refuse new work and let held work finish (seconds given).
     drain: Callable[[float], Awaitable[None]] | None = None
+    # Given the server's health setter once it serves: a service whose engine can die reports it.
+    health: Callable[[HealthSetter], None] | None = None
+    # Serves clients (router, colocated) rather than peers: see libs/rpc/security.py.
+    public: bool = False
+    # Bearer tokens a public server accepts (empty: none needed).
+    tokens: frozenset[str] = frozenset()
 
 
 async def serve(name: str, settings: CommonSettings, parts: ServiceParts, grace_s: float) -> None:
     """Run one server until a signal, then drain and close the service's resources."""
-    server = EpdServer(ServerOptions(host=settings.host, port=settings.port, grace_s=grace_s), parts.info)
+    options = ServerOptions(
+        host=settings.host,
+        port=settings.port,
+        grace_s=grace_s,
+        tls=security.material(),
+        public=parts.public,
+        tokens=parts.tokens,
+    )
+    server = EpdServer(options, parts.info)
     for register, servicer, full_name in parts.servicers:
         server.add(register, servicer, full_name)
     await server.start()
     if parts.on_started is not None:
         parts.on_started(server.address)
+    if parts.health is not None:
+        parts.health(server.set_serving)
     print(f"{name} listening on {server.address}", flush=True)
     try:
         await server.wait_for_termination(parts.drain)
     finally:
         if parts.close is not None:
             await parts.close()
+
+
+def client_facing(parts: ServiceParts, settings: ClientAuthSettings) -> ServiceParts:
+    """Mark a server as one clients call (router, colocated), with the bearer tokens it accepts."""
+    try:
+        tokens = security.load_tokens(settings.auth_tokens_file, settings.auth_tokens)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"client authentication: {exc}") from None
+    return dataclasses.replace(parts, public=True, tokens=tokens)
 
 
 def _exit_with_parent() -> None:
@@ -78,7 +109,11 @@ def service_main(name: str, settings_cls: type[S], setup: Callable[[S], Awaitabl
     configure_metrics(name, settings.metrics_port)
     log = structlog.get_logger(name)
     _exit_with_parent()
-    log.info("starting", settings={k: str(v) for k, v in dataclasses.asdict(settings).items()})
+    log.info("starting", settings={k: str(v) for k, v in dataclasses.asdict(settings).items() if k not in _SECRET})
+    try:
+        security.configure(TlsMaterial.from_settings(settings.tls_ca, settings.tls_cert, settings.tls_key))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{name}: {exc}") from None
 
     async def run() -> None:
         parts = await setup(settings)

@@ -1,9 +1,10 @@
 """One way to run an EPD gRPC server.
 
 `EpdServer` wires what every service needs around its own servicers: the status-mapping
-interceptor, standard health checking (`grpc.health.v1`), server reflection, `ServiceInfoService`,
-bounded message sizes, and a graceful stop that flips health to NOT_SERVING, refuses new RPCs and
-lets in-flight ones finish within a grace period.
+interceptor, access control (mutual TLS and bearer tokens, `libs/rpc/security.py`), standard health
+checking (`grpc.health.v1`), server reflection, `ServiceInfoService`, bounded message sizes, and a
+graceful stop that flips health to NOT_SERVING, refuses new RPCs and lets in-flight ones finish
+within a grace period.
 
 Called by each service's `main` (one server per process).
 """
@@ -26,6 +27,8 @@ from libs.contract import version
 from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
 from libs.contract.grpc_status import ErrorMappingInterceptor
 from libs.contract.validation import validate_get_service_info_request
+from libs.rpc import security
+from libs.rpc.security import AccessInterceptor, AccessPolicy, TlsMaterial
 from libs.telemetry.propagation import TracingServerInterceptor, client_interceptors
 
 _log = structlog.get_logger(__name__)
@@ -43,6 +46,12 @@ class ServerOptions:
     max_concurrent_rpcs: int = 1024
     # Seconds in-flight RPCs get to finish on stop.
     grace_s: float = 10.0
+    # TLS material (None: plaintext). Internal servers then require a CA-signed service certificate.
+    tls: TlsMaterial | None = None
+    # Serves clients (router, colocated): TLS without client certificates, bearer tokens instead.
+    public: bool = False
+    # Bearer tokens a public server accepts for Generate (empty: no token needed). Needs TLS.
+    tokens: frozenset[str] = frozenset()
 
 
 def channel_options(max_message_bytes: int = 80 << 20) -> list[tuple[str, Any]]:
@@ -54,8 +63,22 @@ def channel_options(max_message_bytes: int = 80 << 20) -> list[tuple[str, Any]]:
 
 
 def open_channel(address: str) -> grpc.aio.Channel:
-    """An EPD client channel: message bounds, and the trace context on every call."""
-    return grpc.aio.insecure_channel(address, options=channel_options(), interceptors=client_interceptors())
+    """A channel to a peer service: message bounds, the trace context on every call, and this
+    process's TLS certificate when TLS is configured (`libs.rpc.security.configure`)."""
+    tls = security.material()
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=channel_options(), interceptors=client_interceptors())
+    return grpc.aio.secure_channel(
+        address, security.channel_credentials(tls), options=channel_options(), interceptors=client_interceptors()
+    )
+
+
+def sync_channel(address: str) -> grpc.Channel:
+    """`open_channel` for blocking callers (transfer threads)."""
+    tls = security.material()
+    if tls is None:
+        return grpc.insecure_channel(address, options=channel_options())
+    return grpc.secure_channel(address, security.channel_credentials(tls), options=channel_options())
 
 
 class _ServiceInfoServicer(service_info_pb2_grpc.ServiceInfoServiceServicer):
@@ -77,10 +100,13 @@ class EpdServer:
     """A `grpc.aio` server with EPD's standard services. Add servicers, then `start()`."""
 
     def __init__(self, options: ServerOptions, info: Callable[[], service_info_pb2.ServiceInfo]) -> None:
+        if options.tokens and options.tls is None:
+            raise ValueError("bearer tokens need TLS (--tls-ca/--tls-cert/--tls-key): they would cross in clear")
         self.options = options
+        policy = AccessPolicy(public=options.public, tls=options.tls is not None, tokens=options.tokens)
         self._server = grpc.aio.server(
-            # Tracing outermost, so the server span also covers the status mapping.
-            interceptors=[TracingServerInterceptor(), ErrorMappingInterceptor()],
+            # Tracing outermost, so the server span also covers refusals and the status mapping.
+            interceptors=[TracingServerInterceptor(), AccessInterceptor(policy), ErrorMappingInterceptor()],
             options=[
                 *channel_options(options.max_message_bytes),
                 ("grpc.so_reuseport", 0),
@@ -107,15 +133,35 @@ class EpdServer:
         """Bind, start serving, mark every service SERVING; returns the bound port."""
         reflection.enable_server_reflection(self._service_names, self._server)
         address = f"{self.options.host}:{self.options.port}"
-        self.port = self._server.add_insecure_port(address)
+        tls = self.options.tls
+        if tls is None:
+            self.port = self._server.add_insecure_port(address)
+        else:
+            credentials = security.server_credentials(tls, require_client_cert=not self.options.public)
+            self.port = self._server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"cannot bind {address}")
         await self._server.start()
         for name in ["", *self._service_names]:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._stopping = asyncio.Event()
-        _log.info("serving", address=f"{self.options.host}:{self.port}", services=self._service_names)
+        _log.info(
+            "serving",
+            address=f"{self.options.host}:{self.port}",
+            services=self._service_names,
+            tls=tls is not None,
+            client_tokens=len(self.options.tokens),
+        )
         return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        """Health of every service: SERVING, or NOT_SERVING while the service cannot work (its
+        engine died and restarts). No-op once stopping (health stays NOT_SERVING)."""
+        if self._stopping is None or self._stopping.is_set():
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self._service_names]:
+            await self._health.set(name, status)
 
     @property
     def address(self) -> str:

@@ -27,7 +27,7 @@ from libs.contract.epd.v1 import (
 )
 from libs.contract.errors import EpdError, error_for
 from libs.rpc.peers import check_peer
-from libs.rpc.server import channel_options
+from libs.rpc.server import sync_channel
 from libs.serving.settings import ModelServiceSettings
 from libs.transfer import PeerUnavailable, TensorConsumer, TensorProducer, TransferAgent, TransferConfig, TransferError
 
@@ -79,7 +79,7 @@ class MetadataResolver:
         address = ref.producer_address
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.insecure_channel(address, options=channel_options())
+            channel = self._channels[address] = sync_channel(address)
         stub = service_info_pb2_grpc.ServiceInfoServiceStub(channel)
         try:
             reply = stub.GetServiceInfo(

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
+from libs.config import ClientAuthSettings
 from libs.contract.epd.v1 import generate_pb2, generate_pb2_grpc, service_info_pb2
 from libs.rpc.admission import Admission, admitted
-from libs.rpc.main import ServiceParts, service_main
+from libs.rpc.main import ServiceParts, client_facing, service_main
 from libs.serving.identity import model_identity, service_info
 from libs.serving.parts import model_service_parts
 from libs.serving.settings import ModelServiceSettings
@@ -18,7 +19,7 @@ from services.colocated.core import ColocatedCore
 
 
 @dataclasses.dataclass(frozen=True)
-class ColocatedSettings(ModelServiceSettings):
+class ColocatedSettings(ClientAuthSettings, ModelServiceSettings):
     """Colocated: encode, prefill and decode in one process."""
 
 
@@ -40,7 +41,7 @@ async def setup(settings: ColocatedSettings) -> ServiceParts:
     core = ColocatedCore(settings.model, max_batch=settings.max_batch, file_root=settings.file_root)
     identity = model_identity(settings, core.runtime.weights_digest)
     admission = Admission("colocated", min(settings.max_running, settings.max_batch), settings.max_waiting)
-    return model_service_parts(
+    parts = model_service_parts(
         (
             generate_pb2_grpc.add_GenerateServiceServicer_to_server,
             GenerateServicer(core, admission),
@@ -51,6 +52,7 @@ async def setup(settings: ColocatedSettings) -> ServiceParts:
         engine=core.engine,
         active_sequences=lambda: core.decode.active,
     )
+    return client_facing(parts, settings)
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from libs.cache.store import MooncakeStoreClient, StoreConfig
-from libs.config import CommonSettings, setting
+from libs.config import ClientAuthSettings, CommonSettings, setting
 from libs.contract import version
 from libs.contract.epd.v1 import (
     decode_pb2_grpc,
@@ -23,7 +23,7 @@ from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.drain import drainer
 from libs.rpc.identity import INSTANCE_ID, SOFTWARE_VERSION
-from libs.rpc.main import ServiceParts, service_main
+from libs.rpc.main import ServiceParts, client_facing, service_main
 from libs.rpc.peers import PeerDirectory
 from services.router.cache_lookup import CacheLookup
 from services.router.core import Backends, Router
@@ -32,7 +32,7 @@ from services.router.handshake import BackendChecks
 
 
 @dataclasses.dataclass(frozen=True)
-class RouterSettings(CommonSettings):
+class RouterSettings(ClientAuthSettings, CommonSettings):
     """Router: client-facing Generate over encoders and prefill/decode (E/P/D) or PD (E+PD)."""
 
     layout: Literal["e/p/d", "e+pd"] = setting("e/p/d", "deployment layout behind the router")
@@ -119,7 +119,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
         cache.close()
         await peers.close()
 
-    return ServiceParts(
+    parts = ServiceParts(
         servicers=[
             (
                 generate_pb2_grpc.add_GenerateServiceServicer_to_server,
@@ -133,6 +133,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
         # Mooncake's transfer engine picks its own ports: set the client up once ours is bound.
         on_started=cache.connect,
     )
+    return client_facing(parts, settings)
 
 
 def main() -> None:
