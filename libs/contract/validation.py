@@ -342,7 +342,10 @@ def validate_sampling(sampling: sampling_pb2.SamplingParams, path: str, limits: 
     if sampling.top_k < 0:
         raise _fail(f"{path}.top_k", f"must be >= 0, got {sampling.top_k}")
     if not 0 <= sampling.max_tokens <= limits.max_tokens:
-        raise _fail(f"{path}.max_tokens", f"must be in [1, {limits.max_tokens}] tokens, got {sampling.max_tokens}")
+        raise _fail(
+            f"{path}.max_tokens",
+            f"must be in [1, {limits.max_tokens}] tokens, or 0 for the server's default; got {sampling.max_tokens}",
+        )
     _check_count(sampling.stop, f"{path}.stop", 0, limits.max_stop_sequences)
     for i, stop in enumerate(sampling.stop):
         if not stop:

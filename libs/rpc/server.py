@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from libs.contract import version
 from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
@@ -32,6 +32,23 @@ from libs.rpc.security import AccessInterceptor, AccessPolicy, TlsMaterial
 from libs.telemetry.propagation import TracingServerInterceptor, client_interceptors
 
 _log = structlog.get_logger(__name__)
+
+# grpcio-reflection ships only v1alpha, but current clients (grpcurl, Postman, grpc_cli) ask for
+# grpc.reflection.v1 first. The two protocols' messages are field-for-field identical (v1 renamed
+# the package), so the same servicer answers both.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _add_reflection_v1(server: grpc.aio.Server, service_names: list[str]) -> None:
+    servicer = reflection.aio.ReflectionServicer(service_names)  # type: ignore[attr-defined]  # missing from __all__
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),)
+    )
 
 
 @dataclass(frozen=True)
@@ -115,7 +132,7 @@ class EpdServer:
         )
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # missing from its stubs
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1]
         self.add(
             service_info_pb2_grpc.add_ServiceInfoServiceServicer_to_server,
             _ServiceInfoServicer(info),
@@ -132,6 +149,7 @@ class EpdServer:
     async def start(self) -> int:
         """Bind, start serving, mark every service SERVING; returns the bound port."""
         reflection.enable_server_reflection(self._service_names, self._server)
+        _add_reflection_v1(self._server, self._service_names)
         address = f"{self.options.host}:{self.options.port}"
         tls = self.options.tls
         if tls is None:

@@ -75,6 +75,27 @@ def test_standard_services_and_graceful_stop() -> None:
             ):
                 services = {s.name for s in reply.list_services_response.service}
             assert {"epd.v1.EncoderService", "epd.v1.ServiceInfoService", "grpc.health.v1.Health"} <= services
+            # grpc.reflection.v1, what current grpcurl asks first: the same messages under another name.
+            v1 = channel.stream_stream(
+                "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
+            replies = [
+                reply
+                async for reply in v1(
+                    iter(
+                        [
+                            reflection_pb2.ServerReflectionRequest(list_services=""),
+                            reflection_pb2.ServerReflectionRequest(file_containing_symbol="epd.v1.EncoderService"),
+                        ]
+                    ),
+                    timeout=5,
+                )
+            ]
+            listed = {s.name for s in replies[0].list_services_response.service}
+            assert {"grpc.reflection.v1.ServerReflection", "epd.v1.EncoderService"} <= listed
+            assert replies[1].file_descriptor_response.file_descriptor_proto  # the schema, for grpcurl describe
 
             stub = encoder_pb2_grpc.EncoderServiceStub(channel)
             bad = _request(0)
