@@ -37,7 +37,18 @@ def load_reference(model_path: str) -> Any:
         return None
 
     model = cls(adapter.config).eval()
-    result = model.load_state_dict(checkpoint.load(rename), strict=False)
+    tensors = checkpoint.load(rename)
+    if not any(k.startswith("model.language_model.") for k in model.state_dict()):
+        # transformers < 5.2x (Qwen2.5-Omni thinker): towers and text model at the top level
+        flat = (
+            ("model.language_model.", "model."),
+            ("model.visual.", "visual."),
+            ("model.audio_tower.", "audio_tower."),
+        )
+        tensors = {
+            next((new + k[len(old) :] for old, new in flat if k.startswith(old)), k): v for k, v in tensors.items()
+        }
+    result = model.load_state_dict(tensors, strict=False)
     assert not result.missing_keys and not result.unexpected_keys, result
     # As from_pretrained would: stop on the checkpoint's end-of-sequence ids, like the runners do.
     model.generation_config = GenerationConfig.from_pretrained(model_path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +19,8 @@ class FamilySpec:
     build: Callable[[str, dict[str, int], int, int], tuple[dict[str, Any], torch.nn.Module]]
     hub_name: Callable[[str], str]
     extra_files: Callable[[str], dict[str, dict[str, Any]]]
+    # Special tokens named in tokenizer_config.json's `model_specific_special_tokens` (attribute -> token).
+    named_tokens: dict[str, str] = field(default_factory=dict)
 
 
 def round_vocab(n: int) -> int:

@@ -66,10 +66,12 @@ _AUDIO_FEATURES = {
 # ---- Qwen2.5-Omni thinker ----------------------------------------------------------------------
 
 _OMNI_SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden=64, inter=128, layers=2, heads=4, kv=2, v_depth=2, v_hidden=32, v_inter=64, v_heads=2,
-                 a_layers=2, a_dim=32, a_ffn=64, a_heads=2, mrope=[2, 3, 3]),
+    # Text head_dim 32 (= 64 / 2): vLLM's CPU attention has no kernel for 16 and kills its engine.
+    # Tiny uses a low rope_theta, as the VL tiny recipes do (positions must visibly matter).
+    "tiny": dict(hidden=64, inter=128, layers=2, heads=2, kv=2, v_depth=2, v_hidden=32, v_inter=64, v_heads=2,
+                 a_layers=2, a_dim=32, a_ffn=64, a_heads=2, mrope=[4, 6, 6], theta=10000.0),
     "small": dict(hidden=768, inter=2048, layers=12, heads=12, kv=2, v_depth=8, v_hidden=384, v_inter=1024,
-                  v_heads=6, a_layers=4, a_dim=384, a_ffn=1536, a_heads=6, mrope=[8, 12, 12]),
+                  v_heads=6, a_layers=4, a_dim=384, a_ffn=1536, a_heads=6, mrope=[8, 12, 12], theta=1000000.0),
 }  # fmt: skip
 
 
@@ -85,7 +87,7 @@ def _omni_build(size: str, ids: dict[str, int], tok_len: int, seed: int) -> tupl
             num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
             max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
             initializer_range=0.1,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": s["mrope"]},
+            rope_parameters={"rope_type": "default", "rope_theta": s["theta"], "mrope_section": s["mrope"]},
         ),
         vision_config=dict(
             depth=s["v_depth"], hidden_size=s["v_hidden"], intermediate_size=s["v_inter"], num_heads=s["v_heads"],
@@ -123,6 +125,10 @@ def _omni_hub_name(name: str) -> str:
             ("model.visual.", "thinker.visual."),
             ("model.audio_tower.", "thinker.audio_tower."),
             ("lm_head.", "thinker.lm_head."),
+            # transformers < 5.2x keeps the towers and the text model at the top level
+            ("audio_tower.", "thinker.audio_tower."),
+            ("visual.", "thinker.visual."),
+            ("model.", "thinker.model."),
         ),
     )
 
@@ -146,6 +152,16 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
         build=_omni_build,
         hub_name=_omni_hub_name,
         extra_files=_omni_files,
+        # The released tokenizer config names these; the HF Omni processor (and vLLM) read them.
+        named_tokens={
+            "image_token": "<|IMAGE|>",
+            "audio_token": "<|AUDIO|>",
+            "video_token": "<|VIDEO|>",
+            "vision_bos_token": "<|vision_bos|>",
+            "vision_eos_token": "<|vision_eos|>",
+            "audio_bos_token": "<|audio_bos|>",
+            "audio_eos_token": "<|audio_eos|>",
+        },
     ),
     **vl_specs.SPECS,
 }

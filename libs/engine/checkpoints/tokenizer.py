@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,14 @@ def _corpus(lines: int = 4000) -> list[str]:
 
 
 def train_tokenizer(
-    out_dir: Path, *, vocab_size: int, special_tokens: list[str], chat_template: str, eos: str, pad: str
+    out_dir: Path,
+    *,
+    vocab_size: int,
+    special_tokens: list[str],
+    chat_template: str,
+    eos: str,
+    pad: str,
+    named_tokens: dict[str, str] | None = None,
 ) -> Any:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -51,4 +59,10 @@ def train_tokenizer(
     fast.add_special_tokens({"additional_special_tokens": special_tokens})
     fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
+    if named_tokens:
+        # As released checkpoints do: processors read e.g. `tokenizer.image_token` from here.
+        config_path = out_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["model_specific_special_tokens"] = dict(named_tokens)
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return fast

@@ -60,13 +60,14 @@ def _instantiate(model_cls: Any, config: Any, seed: int) -> torch.nn.Module:
     return model
 
 
-# Tiny sizes use a low rope_theta: with head_dim 16 the real theta leaves the h/w rotary sections
-# almost static, and the negative controls (grid swapped) need positions to visibly matter.
+# Tiny sizes use a low rope_theta: with a small head_dim the real theta leaves the h/w rotary sections
+# almost static, and the negative controls (grid swapped) need positions to visibly matter. Text
+# head_dim is 32: vLLM's CPU attention has no kernel for 16 (the engine dies at the first forward).
 
 # ---- Qwen2.5-VL ------------------------------------------------------------------------------------
 
 _QWEN25_SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden=64, inter=128, layers=2, heads=4, kv=2, mrope=[2, 3, 3], theta=10000.0,
+    "tiny": dict(hidden=64, inter=128, layers=2, heads=2, kv=2, mrope=[4, 6, 6], theta=10000.0,
                  v_depth=2, v_hidden=32, v_inter=64, v_heads=2),
     "small": dict(hidden=768, inter=2048, layers=12, heads=12, kv=2, mrope=[8, 12, 12], theta=1000000.0,
                   v_depth=8, v_hidden=384, v_inter=1024, v_heads=6),
@@ -121,7 +122,7 @@ def _qwen25_files(size: str) -> dict[str, dict[str, Any]]:
 # ---- Qwen3-VL --------------------------------------------------------------------------------------
 
 _QWEN3_SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden=64, inter=128, layers=3, heads=4, kv=2, head_dim=16, mrope=[2, 3, 3], theta=10000.0,
+    "tiny": dict(hidden=64, inter=128, layers=3, heads=4, kv=2, head_dim=32, mrope=[4, 6, 6], theta=10000.0,
                  v_depth=3, v_hidden=32, v_inter=64, v_heads=2, v_pos=16, deepstack=[0, 1]),
     "small": dict(hidden=768, inter=2048, layers=12, heads=12, kv=2, head_dim=64, mrope=[12, 10, 10], theta=5000000.0,
                   v_depth=8, v_hidden=384, v_inter=1024, v_heads=6, v_pos=256, deepstack=[1, 3, 5]),
