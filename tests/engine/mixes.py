@@ -23,7 +23,9 @@ def _image(w: int, h: int, seed: int) -> bytes:
 
 @cache
 def _video() -> bytes:
-    return synthetic.video_bytes(64, 48, frames=8, fps=4, seed=3)
+    # Wide, so that every family gets several tokens per frame (Qwen3-VL's tiny pixel budget counts
+    # all frames); 8 frames at 4 fps sample to 4 at 2 fps, exactly 2 frames per second.
+    return synthetic.video_bytes(128, 32, frames=8, fps=4, seed=3)
 
 
 @cache
@@ -34,11 +36,11 @@ def _audio(seconds: float, seed: int) -> bytes:
 def mixes(modalities: frozenset[Modality]) -> list[Mix]:
     out = [
         Mix("text", (), ("Describe the quick brown fox in one sentence.",)),
-        Mix("image", (MediaInput(Modality.IMAGE, _image(60, 90, 1)),), ("what is in this image", 0)),
+        Mix("image", (MediaInput(Modality.IMAGE, _image(40, 120, 1)),), ("what is in this image", 0)),
         Mix(
             "two_images",
             (
-                MediaInput(Modality.IMAGE, _image(60, 90, 1)),
+                MediaInput(Modality.IMAGE, _image(40, 120, 1)),  # tall: a swapped grid moves many rows
                 MediaInput(Modality.IMAGE, _image(120, 50, 4), item_index=1),
             ),
             ("first", 0, "second", 1, "which is red"),

@@ -12,12 +12,14 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniThinkerTextModel,
     Qwen2_5OmniVisionEncoder,
 )
+from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
 
 from libs.engine.checkpoint import Checkpoint
 from libs.engine.errors import EmbeddingMismatchError
 from libs.engine.families.base import FamilyAdapter, PlacedItem, PreparedItem
 from libs.engine.families.causal_lm import CausalLM, strip_prefixes
-from libs.engine.families.qwen_vision import QwenVisionPreprocessor, build_mrope, vision_position_offsets
+from libs.engine.families.qwen_settings import processor_video_defaults
+from libs.engine.families.qwen_vision import QwenVisionPreprocessor, build_mrope, video_layout, vision_position_offsets
 from libs.engine.media import synthetic
 from libs.engine.media.audio import decode_audio
 from libs.engine.media.limits import MediaLimits
@@ -51,22 +53,13 @@ class Qwen25OmniAdapter(FamilyAdapter):
         self.config: Any = Qwen2_5OmniThinkerConfig.from_dict(thinker)
         vision: Any = self.config.vision_config
         self.merge_size = int(vision.spatial_merge_size)
+        # The Omni processor's own video size default wins over the video processor's file.
+        omni_video_size = processor_video_defaults(Qwen2_5OmniProcessor).get("size")
         self.vision = QwenVisionPreprocessor(
-            checkpoint,
-            patch_size=int(vision.patch_size),
-            merge_size=self.merge_size,
-            temporal_patch_size=int(vision.temporal_patch_size),
+            checkpoint, vision, video_style="qwen2_vl", video_size_override=omni_video_size
         )
-        pre = checkpoint.json_file("preprocessor_config.json")
-        audio: Any = self.config.audio_config
-        self.features: Any = WhisperFeatureExtractor(  # type: ignore[no-untyped-call]
-            feature_size=int(pre.get("feature_size", audio.num_mel_bins)),
-            sampling_rate=int(pre.get("sampling_rate", 16000)),
-            hop_length=int(pre.get("hop_length", 160)),
-            chunk_length=int(pre.get("chunk_length", 30)),
-            n_fft=int(pre.get("n_fft", 400)),
-            padding_value=float(pre.get("padding_value", 0.0)),
-        )
+        # The reference's feature extractor, configured from the same file by the same loader.
+        self.features: Any = WhisperFeatureExtractor.from_pretrained(str(checkpoint.path))
 
     # ---- weights ----
     def encoder_tensor_name(self, name: str) -> str | None:
@@ -125,10 +118,13 @@ class Qwen25OmniAdapter(FamilyAdapter):
             layout = ItemLayout(media.modality, media.item_index, mm_hash, count, image=image)
             return PreparedItem(layout, {"pixel_values": pixels})
         if media.modality is Modality.VIDEO:
-            pixels, video = self.vision.video(media.data, media.options, limits)
+            clip = self.vision.video(media.data, media.options, limits)
+            tp = self.vision.temporal_patch_size
+            # The Omni processor: temporal patch / requested fps, whatever was sampled.
+            video = video_layout(clip, tp, seconds_per_grid=tp / clip.fps, mean_times=False)
             count = video.grid_t * video.grid_h * video.grid_w // merge
             layout = ItemLayout(media.modality, media.item_index, mm_hash, count, video=video)
-            return PreparedItem(layout, {"pixel_values": pixels})
+            return PreparedItem(layout, {"pixel_values": clip.pixel_values})
         samples = decode_audio(media.data, self.features.sampling_rate, limits)
         out: Any = self.features(
             samples,

@@ -25,6 +25,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
     vision_class = Qwen3VLVisionModel
     text_class = Qwen3VLTextModel
     mean_patch_times = True  # the Qwen3-VL processor stamps a frame pair with its mean time
+    video_style = "qwen3_vl"
 
     @property
     def deepstack_names(self) -> tuple[str, ...]:

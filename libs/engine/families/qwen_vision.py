@@ -1,72 +1,67 @@
-"""Qwen-style vision preprocessing shared by the Qwen families: images through the Pillow image
-processor, videos sampled with PyAV and patchified by our own code (no torchvision)."""
+"""Qwen vision preprocessing shared by the Qwen families, equal to the families' default transformers
+processors (the torchvision "fast" `Qwen2VLImageProcessor`, `Qwen2VLVideoProcessor`,
+`Qwen3VLVideoProcessor`) without torchvision: decoding in `libs.engine.media`, settings in
+`qwen_settings`, frame choice in `qwen_frames`, pixel operations in `libs.engine.media.pixels`.
+Also the M-RoPE helpers the Qwen adapters share."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from libs.engine.checkpoint import Checkpoint
 from libs.engine.errors import InvalidMediaError, InvalidRequestError, MediaLimitError
+from libs.engine.families.qwen_frames import frame_plan, patch_timestamps
+from libs.engine.families.qwen_settings import (
+    VideoSettings,
+    check_against_model,
+    image_settings,
+    video_settings,
+    with_bounds,
+)
 from libs.engine.media.image import decode_image
 from libs.engine.media.limits import MediaLimits
-from libs.engine.media.video import sample_video
+from libs.engine.media.pixels import image_to_chw, normalize, patchify, resize_bicubic
+from libs.engine.media.video import DecodedVideo, read_video
 from libs.engine.types import ImageLayout, ProcessorOptions, VideoLayout
 
-_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
+@dataclass
+class VideoPixels:
+    """A preprocessed video: tower input, grid, and what its layout needs from the sampling."""
 
-@dataclass(frozen=True)
-class VideoDefaults:
-    min_pixels: int = 128 * 28 * 28
-    max_pixels: int = 768 * 28 * 28
-    fps: float = 2.0
-    max_frames: int = 768
+    pixel_values: torch.Tensor
+    grid: tuple[int, int, int]
+    decoded: DecodedVideo
+    fps: float  # the sampling rate asked for (request or processor default)
 
 
 class QwenVisionPreprocessor:
-    def __init__(self, checkpoint: Checkpoint, *, patch_size: int, merge_size: int, temporal_patch_size: int) -> None:
-        cfg = checkpoint.json_file("preprocessor_config.json")
-        size = cfg.get("size") or {}
-        self.min_pixels = int(cfg.get("min_pixels") or size.get("shortest_edge") or 56 * 56)
-        self.max_pixels = int(cfg.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280)
-        self.mean = tuple(cfg.get("image_mean") or _CLIP_MEAN)
-        self.std = tuple(cfg.get("image_std") or _CLIP_STD)
-        self.patch_size = patch_size
-        self.merge_size = merge_size
-        self.temporal_patch_size = temporal_patch_size
-        self.image_processor = Qwen2VLImageProcessorPil(
-            min_pixels=self.min_pixels,
-            max_pixels=self.max_pixels,
-            patch_size=patch_size,
-            merge_size=merge_size,
-            temporal_patch_size=temporal_patch_size,
-            image_mean=list(self.mean),
-            image_std=list(self.std),
-        )
-        vcfg = checkpoint.json_file("video_preprocessor_config.json")
-        vsize = vcfg.get("size") or {}
-        base = VideoDefaults()
-        self.video_defaults = VideoDefaults(
-            min_pixels=int(vcfg.get("min_pixels") or vsize.get("shortest_edge") or base.min_pixels),
-            max_pixels=int(vcfg.get("max_pixels") or vsize.get("longest_edge") or base.max_pixels),
-            fps=float(vcfg.get("fps") or base.fps),
-            max_frames=int(vcfg.get("max_frames") or base.max_frames),
-        )
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        vision_config: object,
+        *,
+        video_style: str,
+        video_size_override: dict[str, int] | None = None,
+    ) -> None:
+        self.image_settings = image_settings(checkpoint.path)
+        self.video_settings = video_settings(checkpoint.path, video_style, video_size_override)
+        check_against_model(self.image_settings, vision_config, "image")
+        check_against_model(self.video_settings, vision_config, "video")
 
     @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
+    def temporal_patch_size(self) -> int:
+        return self.video_settings.temporal_patch_size
 
+    @staticmethod
     def _pixel_bounds(
-        self, options: ProcessorOptions, default_min: int, default_max: int, limits: MediaLimits
+        options: ProcessorOptions, default_min: int, default_max: int, limits: MediaLimits
     ) -> tuple[int, int]:
+        """The request's bounds; an unset one keeps the processor's (as the processors' deprecated
+        `min_pixels` / `max_pixels` call arguments do)."""
         lo = options.min_pixels if options.min_pixels is not None else default_min
         hi = options.max_pixels if options.max_pixels is not None else default_max
         if hi > limits.max_resized_pixels:
@@ -78,80 +73,56 @@ class QwenVisionPreprocessor:
         return lo, hi
 
     def image(self, data: bytes, options: ProcessorOptions, limits: MediaLimits) -> tuple[torch.Tensor, ImageLayout]:
-        lo, hi = self._pixel_bounds(options, self.min_pixels, self.max_pixels, limits)
-        image = decode_image(data, limits)
+        s = self.image_settings
+        lo, hi = self._pixel_bounds(options, s.min_pixels, s.max_pixels, limits)
+        image = image_to_chw(decode_image(data, limits)).unsqueeze(0)
         try:
-            out: Any = self.image_processor(
-                images=[image], size={"shortest_edge": lo, "longest_edge": hi}, return_tensors="pt"
-            )
-        except ValueError as exc:  # e.g. an extreme aspect ratio
+            height, width = smart_resize(image.shape[2], image.shape[3], factor=s.factor, min_pixels=lo, max_pixels=hi)
+        except ValueError as exc:  # an extreme aspect ratio
             raise InvalidMediaError(f"cannot preprocess image: {exc}", field="media.data") from exc
-        t, h, w = (int(x) for x in out["image_grid_thw"][0])
-        return out["pixel_values"], ImageLayout(grid_t=t, grid_h=h, grid_w=w)
+        pixels = normalize(resize_bicubic(image, height, width), s.mean, s.std)
+        flat, grid_t, grid_h, grid_w = patchify(pixels, s.patch_size, s.merge_size, s.temporal_patch_size)
+        return flat, ImageLayout(grid_t=grid_t, grid_h=grid_h, grid_w=grid_w)
 
-    def video(
-        self, data: bytes, options: ProcessorOptions, limits: MediaLimits, *, mean_patch_times: bool = False
-    ) -> tuple[torch.Tensor, VideoLayout]:
-        """Pixels and layout of a video. `grid_timestamps_s` holds each temporal patch's first frame
-        time, or with `mean_patch_times` the mean of its first and last frame (the Qwen3-VL prompt
-        timestamps)."""
-        lo, hi = self._pixel_bounds(options, self.video_defaults.min_pixels, self.video_defaults.max_pixels, limits)
-        fps = options.video_fps if options.video_fps is not None else self.video_defaults.fps
-        max_frames = (
-            options.video_max_frames if options.video_max_frames is not None else self.video_defaults.max_frames
-        )
+    def video_settings_for(self, options: ProcessorOptions, limits: MediaLimits) -> tuple[VideoSettings, float, int]:
+        """Settings with the request's pixel bounds, the sampling fps and max_frames."""
+        s = self.video_settings
+        lo, hi = self._pixel_bounds(options, s.min_pixels, s.max_pixels, limits)
+        fps = options.video_fps if options.video_fps is not None else s.fps
+        max_frames = options.video_max_frames if options.video_max_frames is not None else s.max_frames
         if fps <= 0:
             raise InvalidRequestError("video_fps must be > 0", field="processor_options.video_fps")
+        if max_frames <= 0:
+            raise InvalidRequestError("video_max_frames must be > 0", field="processor_options.video_max_frames")
         if max_frames > limits.max_video_frames:
             raise MediaLimitError(
                 f"video_max_frames {max_frames} exceeds {limits.max_video_frames}",
                 field="processor_options.video_max_frames",
             )
-        tp = self.temporal_patch_size
-        sampled = sample_video(data, fps=fps, max_frames=max_frames, frame_multiple=tp, limits=limits)
-        pixels, (grid_t, grid_h, grid_w) = self.patchify_frames(sampled.frames, lo, hi)
-        layout = VideoLayout(
-            grid_t=grid_t,
-            grid_h=grid_h,
-            grid_w=grid_w,
-            seconds_per_grid=tp * sampled.frame_interval_s,
-            grid_timestamps_s=_patch_times(sampled.timestamps_s, tp, mean_patch_times),
-            sampled_frames=len(sampled.frames),
+        return with_bounds(s, lo, hi), fps, max_frames
+
+    def video(self, data: bytes, options: ProcessorOptions, limits: MediaLimits) -> VideoPixels:
+        settings, fps, max_frames = self.video_settings_for(options, limits)
+        decoded = read_video(data, limits, lambda source: frame_plan(source, fps, settings, max_frames))
+        pixels = normalize(decoded.frames, settings.mean, settings.std)
+        flat, grid_t, grid_h, grid_w = patchify(
+            pixels, settings.patch_size, settings.merge_size, settings.temporal_patch_size
         )
-        return pixels, layout
-
-    def patchify_frames(
-        self, frames: list[Image.Image], min_pixels: int, max_pixels: int
-    ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """Resize every frame like an image, normalise, and cut [grid_t*grid_h*grid_w, C*tp*p*p] patches
-        in the order the Qwen vision towers expect."""
-        width, height = frames[0].size
-        try:
-            rh, rw = smart_resize(height, width, factor=self.factor, min_pixels=min_pixels, max_pixels=max_pixels)
-        except ValueError as exc:
-            raise InvalidMediaError(f"cannot preprocess video: {exc}", field="media.data") from exc
-        mean = np.asarray(self.mean, dtype=np.float32).reshape(3, 1, 1)
-        std = np.asarray(self.std, dtype=np.float32).reshape(3, 1, 1)
-        arrays = []
-        for frame in frames:
-            resized = frame.resize((rw, rh), resample=Image.Resampling.BICUBIC)
-            chw = np.asarray(resized, dtype=np.float32).transpose(2, 0, 1) / 255.0
-            arrays.append((chw - mean) / std)
-        tp, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
-        while len(arrays) % tp:
-            arrays.append(arrays[-1])
-        video = np.stack(arrays)  # [T, C, H, W]
-        channels = video.shape[1]
-        grid_t, grid_h, grid_w = video.shape[0] // tp, rh // p, rw // p
-        patches = video.reshape(grid_t, tp, channels, grid_h // m, m, p, grid_w // m, m, p)
-        patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        flat = patches.reshape(grid_t * grid_h * grid_w, channels * tp * p * p)
-        return torch.from_numpy(np.ascontiguousarray(flat)), (grid_t, grid_h, grid_w)
+        return VideoPixels(pixel_values=flat, grid=(grid_t, grid_h, grid_w), decoded=decoded, fps=fps)
 
 
-def _patch_times(times: list[float], tp: int, mean: bool) -> tuple[float, ...]:
-    times = times + [times[-1]] * (-len(times) % tp)
-    return tuple((times[i] + times[i + tp - 1]) / 2 if mean else times[i] for i in range(0, len(times), tp))
+def video_layout(video: VideoPixels, temporal_patch: int, *, seconds_per_grid: float, mean_times: bool) -> VideoLayout:
+    """`grid_timestamps_s`: each temporal patch's first frame time, or with `mean_times` the mean of
+    its first and last (the Qwen3-VL prompt's stamps)."""
+    grid_t, grid_h, grid_w = video.grid
+    return VideoLayout(
+        grid_t=grid_t,
+        grid_h=grid_h,
+        grid_w=grid_w,
+        seconds_per_grid=seconds_per_grid,
+        grid_timestamps_s=patch_timestamps(video.decoded.timestamps_s(), temporal_patch, mean=mean_times),
+        sampled_frames=len(video.decoded.indices),
+    )
 
 
 def vision_position_offsets(

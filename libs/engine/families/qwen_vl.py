@@ -13,7 +13,7 @@ from libs.engine.checkpoint import Checkpoint
 from libs.engine.errors import EmbeddingMismatchError
 from libs.engine.families.base import Expansion, FamilyAdapter, PlacedItem, PreparedItem
 from libs.engine.families.causal_lm import CausalLM, strip_prefixes
-from libs.engine.families.qwen_vision import QwenVisionPreprocessor, build_mrope, vision_position_offsets
+from libs.engine.families.qwen_vision import QwenVisionPreprocessor, build_mrope, video_layout, vision_position_offsets
 from libs.engine.media import synthetic
 from libs.engine.media.limits import MediaLimits
 from libs.engine.types import ImageLayout, ItemLayout, MediaInput, Modality, VideoLayout
@@ -31,18 +31,14 @@ class QwenVLAdapter(FamilyAdapter):
     vision_class: Any
     text_class: Any
     mean_patch_times = False  # grid_timestamps_s: first frame of each temporal patch
+    video_style = "qwen2_vl"  # which transformers video processor the family defaults to
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         super().__init__(checkpoint)
         self.config: Any = self.config_class.from_dict(checkpoint.config)
         vision: Any = self.config.vision_config
         self.merge_size = int(vision.spatial_merge_size)
-        self.vision = QwenVisionPreprocessor(
-            checkpoint,
-            patch_size=int(vision.patch_size),
-            merge_size=self.merge_size,
-            temporal_patch_size=int(vision.temporal_patch_size),
-        )
+        self.vision = QwenVisionPreprocessor(checkpoint, vision, video_style=self.video_style)
 
     # ---- weights ----
     def encoder_tensor_name(self, name: str) -> str | None:
@@ -109,10 +105,14 @@ class QwenVLAdapter(FamilyAdapter):
             count = image.grid_t * image.grid_h * image.grid_w // merge
             layout = ItemLayout(media.modality, media.item_index, mm_hash, count, image=image)
             return PreparedItem(layout, {"pixel_values": pixels})
-        pixels, video = self.vision.video(media.data, media.options, limits, mean_patch_times=self.mean_patch_times)
+        clip = self.vision.video(media.data, media.options, limits)
+        tp = self.vision.temporal_patch_size
+        # `Qwen2_5_VLProcessor._process_videos` (and qwen-vl-utils): temporal patch / sampled fps.
+        spg = tp / clip.decoded.sampled_fps
+        video = video_layout(clip, tp, seconds_per_grid=spg, mean_times=self.mean_patch_times)
         count = video.grid_t * video.grid_h * video.grid_w // merge
         layout = ItemLayout(media.modality, media.item_index, mm_hash, count, video=video)
-        return PreparedItem(layout, {"pixel_values": pixels})
+        return PreparedItem(layout, {"pixel_values": clip.pixel_values})
 
     def tower(self, encoder: torch.nn.Module, items: list[PreparedItem]) -> Any:
         """One vision-tower forward over a batch of items (transformers output object)."""

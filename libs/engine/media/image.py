@@ -1,14 +1,31 @@
-"""Decode one image safely."""
+"""Decode one image safely, to the RGB pixels the reference processors see.
+
+Reference: transformers `image_utils.load_image` (open, `ImageOps.exif_transpose`) followed by the
+image processor's own RGB conversion, transformers 5.23 `image_transforms.convert_to_rgb`: an image
+with an alpha band or a palette transparency is composited onto white, anything else (grayscale,
+palette, CMYK, 16-bit) goes through Pillow's `convert("RGB")`. Compositing on white is also what
+qwen-vl-utils (`to_rgb`) and vLLM do; `load_image`'s own `convert("RGB")` would drop the alpha band
+instead (docs/engine.md, "Preprocessing").
+"""
 
 from __future__ import annotations
 
 import io
 import warnings
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from libs.engine.errors import InvalidMediaError, MediaLimitError
 from libs.engine.media.limits import MediaLimits
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """transformers 5.23 `convert_to_rgb` for a PIL image (alpha composited onto white)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
@@ -25,7 +42,8 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
                     f"image is {width}x{height} pixels, limit {limits.max_source_pixels}", field="media.data"
                 )
             image.load()
-            return image.convert("RGB")
+            upright = ImageOps.exif_transpose(image)  # EXIF orientation, as load_image applies it
+            return to_rgb(upright)
     except MediaLimitError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:

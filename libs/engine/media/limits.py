@@ -17,3 +17,7 @@ class MediaLimits:
     max_video_seconds: float = 600.0
     max_video_source_pixels: int = 8_294_400  # per frame (4K UHD)
     max_audio_seconds: float = 30.0  # the Whisper-style feature extractor covers 30 s
+    # Decoded audio is channels x rate x seconds floats: bound the first two from the header too
+    # (a small FLAC of silence can declare hundreds of channels).
+    max_audio_channels: int = 16
+    max_audio_source_rate: int = 384_000

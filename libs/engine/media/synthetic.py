@@ -46,3 +46,37 @@ def wav_bytes(seconds: float, *, seed: int, rate: int = 16000, freq: float = 440
         w.setframerate(rate)
         w.writeframes(pcm.tobytes())
     return buf.getvalue()
+
+
+def audio_bytes(
+    seconds: float, *, seed: int, rate: int = 16000, channels: int = 1, fmt: str = "WAV", subtype: str | None = None
+) -> bytes:
+    """A clip in any container libsndfile writes (WAV, FLAC, OGG...), one distinct tone per channel."""
+    import soundfile as sf  # type: ignore[import-untyped]
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    tones = [0.3 * np.sin(2 * np.pi * (220.0 * (c + 1)) * t) for c in range(channels)]
+    signal = np.stack(tones, axis=1) + 0.05 * rng.standard_normal((t.size, channels))
+    buf = io.BytesIO()
+    sf.write(buf, np.clip(signal, -1, 1).astype(np.float32), rate, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+def m4a_bytes(seconds: float, *, seed: int, rate: int = 44100, channels: int = 2) -> bytes:
+    """AAC in MP4: a container libsndfile cannot read (decoded with PyAV)."""
+    rng = np.random.default_rng(seed)
+    n = int(seconds * rate)
+    signal = (0.3 * np.sin(2 * np.pi * 330.0 * np.arange(n) / rate))[None, :] + 0.05 * rng.standard_normal(
+        (channels, n)
+    )
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("aac", rate=rate, layout="stereo" if channels == 2 else "mono")
+        frame = av.AudioFrame.from_ndarray(signal.astype(np.float32), format="fltp", layout=stream.layout.name)
+        frame.rate = rate
+        for packet in stream.encode(frame):
+            container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return buf.getvalue()

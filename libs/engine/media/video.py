@@ -1,84 +1,129 @@
-"""Decode a video with PyAV and sample frames at real timestamps."""
+"""Decode a video with PyAV the way transformers' reference reader does, frames picked by index.
+
+Reference: transformers `video_utils.read_video_pyav`: the frame count is the stream's header count
+(`stream.frames`), the rate its `average_rate`, frames are numbered in decode order and converted
+with `to_ndarray(format="rgb24")`; the family's video processor picks the indices from that
+metadata (`sample_frames`). Only the picked frames are kept, each resized as soon as it is decoded
+(the resize is per frame, so this equals resizing the stacked clip).
+"""
 
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import av
-from PIL import Image
+import torch
 
 from libs.engine.errors import InvalidMediaError, MediaLimitError
 from libs.engine.media.limits import MediaLimits
+from libs.engine.media.pixels import resize_bicubic
+
+
+@dataclass(frozen=True)
+class VideoSource:
+    """What the reference's `VideoMetadata` holds before sampling."""
+
+    total_frames: int
+    fps: float
+    width: int
+    height: int
+
+    @property
+    def duration_s(self) -> float:
+        return self.total_frames / self.fps
+
+
+@dataclass(frozen=True)
+class FramePlan:
+    """Which source frames to keep, and the size (h, w) to resize them to."""
+
+    indices: tuple[int, ...]
+    height: int
+    width: int
 
 
 @dataclass
-class SampledVideo:
-    frames: list[Image.Image]
-    timestamps_s: list[float]  # presentation time of each sampled frame in the source
-    duration_s: float
-    frame_interval_s: float  # spacing of the sampling grid
+class DecodedVideo:
+    source: VideoSource
+    indices: tuple[int, ...]
+    frames: torch.Tensor  # [T, 3, height, width] uint8, resized
+
+    @property
+    def sampled_fps(self) -> float:
+        """Frames kept per second of source (`VideoMetadata.sampled_fps`)."""
+        return len(self.indices) / self.source.total_frames * self.source.fps
+
+    def timestamps_s(self) -> list[float]:
+        """Source time of each kept frame: index / fps (`VideoMetadata.timestamps`)."""
+        return [i / self.source.fps for i in self.indices]
 
 
-def _duration_s(container: Any, stream: Any) -> float | None:
-    if stream.duration is not None and stream.time_base is not None:
-        return float(stream.duration * stream.time_base)
-    if container.duration is not None:
-        return float(container.duration) / 1_000_000.0
-    return None
+def _count_frames(data: bytes) -> int:
+    """Frame count of a stream whose header does not give one (WebM, some MKV): its video packets."""
+    with av.open(io.BytesIO(data), mode="r") as container:
+        stream = container.streams.video[0]
+        return sum(1 for packet in container.demux(stream) if packet.size)
 
 
-def _frame_time(frame: Any, index: int, rate: float) -> float:
-    return float(frame.time) if frame.time is not None else index / rate
+def _source(container: Any, data: bytes, limits: MediaLimits) -> VideoSource:
+    if not container.streams.video:
+        raise InvalidMediaError("no video stream", field="media.data")
+    stream = container.streams.video[0]
+    width, height = int(stream.width or 0), int(stream.height or 0)
+    if width <= 0 or height <= 0:
+        raise InvalidMediaError("video has no frame size", field="media.data")
+    if width * height > limits.max_video_source_pixels:
+        raise MediaLimitError(f"video frames are {width}x{height}", field="media.data")
+    if not stream.average_rate or float(stream.average_rate) <= 0:
+        raise InvalidMediaError("video has no frame rate", field="media.data")
+    fps = float(stream.average_rate)
+    total = int(stream.frames or 0) or _count_frames(data)
+    if total <= 0:
+        raise InvalidMediaError("video has no frames", field="media.data")
+    source = VideoSource(total_frames=total, fps=fps, width=width, height=height)
+    if source.duration_s > limits.max_video_seconds:
+        raise MediaLimitError(
+            f"video is {source.duration_s:.1f} s, limit {limits.max_video_seconds} s", field="media.data"
+        )
+    return source
 
 
-def sample_video(data: bytes, *, fps: float, max_frames: int, frame_multiple: int, limits: MediaLimits) -> SampledVideo:
-    """Sample about `fps` frames per second, evenly over the clip, as a multiple of `frame_multiple`."""
+def read_video(data: bytes, limits: MediaLimits, plan: Callable[[VideoSource], FramePlan]) -> DecodedVideo:
+    """Decode the frames `plan` picks from the source metadata, resized to the plan's size."""
     if len(data) > limits.max_media_bytes:
         raise MediaLimitError(f"video is {len(data)} bytes, limit {limits.max_media_bytes}", field="media.data")
-    max_frames = min(max_frames, limits.max_video_frames)
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.video:
-                raise InvalidMediaError("no video stream", field="media.data")
-            stream = container.streams.video[0]
-            width, height = stream.codec_context.width, stream.codec_context.height
-            if width * height > limits.max_video_source_pixels:
-                raise MediaLimitError(f"video frames are {width}x{height}", field="media.data")
-            rate = float(stream.average_rate or 25)
-            duration = _duration_s(container, stream)
-            if duration is None or duration <= 0:
-                raise InvalidMediaError("video has no duration", field="media.data")
-            if duration > limits.max_video_seconds:
+            source = _source(container, data, limits)
+            chosen = plan(source)
+            if not chosen.indices or len(chosen.indices) > limits.max_video_frames:
                 raise MediaLimitError(
-                    f"video is {duration:.1f} s, limit {limits.max_video_seconds} s", field="media.data"
+                    f"{len(chosen.indices)} sampled frames, limit {limits.max_video_frames}", field="media.data"
                 )
-            count = max(frame_multiple, min(max_frames, round(duration * fps)))
-            count -= count % frame_multiple
-            if count <= 0:
-                raise MediaLimitError("video_max_frames is below the temporal patch size", field="media.data")
-            interval = duration / count
-            targets = [k * interval for k in range(count)]
-            frames: list[Image.Image] = []
-            times: list[float] = []
-            for index, frame in enumerate(container.decode(stream)):
-                t = _frame_time(frame, index, rate)
-                if t > limits.max_video_seconds:
-                    raise MediaLimitError("video longer than the limit", field="media.data")
-                # One decoded frame may serve several targets when the source fps is low.
-                while len(frames) < count and t + 0.5 / rate >= targets[len(frames)]:
-                    frames.append(frame.to_image().convert("RGB"))  # type: ignore[no-untyped-call]
-                    times.append(t)
-                if len(frames) == count:
+            if min(chosen.indices) < 0 or max(chosen.indices) >= source.total_frames:
+                raise InvalidMediaError("frame index outside the video", field="media.data")
+            wanted, last = set(chosen.indices), max(chosen.indices)
+            decoded: dict[int, torch.Tensor] = {}
+            for index, frame in enumerate(container.decode(container.streams.video[0])):
+                if index > last:
                     break
+                if index in wanted:
+                    rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1).unsqueeze(0)
+                    if tuple(rgb.shape[-2:]) != (source.height, source.width):
+                        raise InvalidMediaError("video frame size changes mid-stream", field="media.data")
+                    decoded[index] = resize_bicubic(rgb.contiguous(), chosen.height, chosen.width)
     except (InvalidMediaError, MediaLimitError):
         raise
     except Exception as exc:
         raise InvalidMediaError(f"cannot decode video: {exc}", field="media.data") from exc
-    if not frames:
-        raise InvalidMediaError("video has no decodable frames", field="media.data")
-    while len(frames) < count:  # stream ended early: repeat the last frame
-        frames.append(frames[-1])
-        times.append(times[-1])
-    return SampledVideo(frames=frames, timestamps_s=times, duration_s=duration, frame_interval_s=interval)
+    if len(decoded) != len(wanted):
+        raise InvalidMediaError(
+            f"video ended after {len(decoded)} of the {len(wanted)} sampled frames (header: {source.total_frames})",
+            field="media.data",
+        )
+    # In index order, as the reference's `video[indices]` on the decoded clip.
+    frames = torch.cat([decoded[i] for i in chosen.indices], dim=0)
+    return DecodedVideo(source=source, indices=chosen.indices, frames=frames)
