@@ -19,7 +19,7 @@ SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 # Debian packages: Mooncake Store's binding links libibverbs (no RDMA device is needed or used).
 SYSTEM_PACKAGES := libibverbs1
 
-.PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer bench-cache fuzz
+.PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer bench-cache fuzz soak
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -83,6 +83,10 @@ bench-transfer: deps ## NIXL vs memcpy vs inline gRPC throughput, 64 KiB latency
 FUZZ_SECONDS ?= 60
 fuzz: deps models ## coverage-guided fuzzing (atheris) of every input surface, FUZZ_SECONDS each; finds in var/fuzz/found
 	$(PY) -m tests.fuzz.run all --seconds $(FUZZ_SECONDS)
+
+SOAK_SECONDS ?= 900
+soak: deps models ## chaos soak: supervised E/P/D stack under load, roles killed in turn; lost must be 0 (not in make test)
+	$(PY) -m tests.soak.soak --duration-s $(SOAK_SECONDS) --max-requests 20000
 
 clean: ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

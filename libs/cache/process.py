@@ -123,8 +123,10 @@ class StoreProcesses:
             start_new_session=True,  # a Ctrl-C to the parent is ours to forward, not the terminal's
         )
 
-    def start_master(self, timeout: float = 15.0) -> None:
-        self.master_port, self.admin_port = free_port(), free_port()
+    def start_master(self, timeout: float = 15.0, *, same_ports: bool = False) -> None:
+        """Start the master; `same_ports` restarts it where clients already look (after a crash)."""
+        if not same_ports or not self.master_port:
+            self.master_port, self.admin_port = free_port(), free_port()
         self.master = self._spawn(
             "mooncake_master",
             [
@@ -139,7 +141,7 @@ class StoreProcesses:
 
     def start_holder(self, timeout: float = 15.0) -> None:
         before = self.metrics().get("master_total_capacity_bytes", 0.0)
-        self.holder_port = free_port()
+        self.holder_port = free_port()  # a new one: the old holder's port may linger in TIME_WAIT
         self.holder = self._spawn(
             "mooncake_client",
             [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -20,6 +21,7 @@ from libs.client.generate import build_request, generate, media_from_file, open_
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
 from libs.launch.process import LaunchError
 from libs.launch.stack import CLIENT_TOKEN, LAYOUTS, TLS_DIR, Stack, StackSpec
+from libs.launch.supervisor import Supervisor
 
 DEFAULT_MODEL = Path("var/models/qwen2_5_omni-tiny")
 DEFAULT_RUN_DIR = Path("var/run/stack")
@@ -82,12 +84,16 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
 
 
 def cmd_up(ns: argparse.Namespace) -> int:
-    stack = Stack(_spec(ns))
+    stack = Stack(dataclasses.replace(_spec(ns), fixed_ports=ns.supervise))
     try:
         address = stack.up()
     except LaunchError as exc:
         print(f"epd up: {exc}", file=sys.stderr)
         return 1
+    supervisor = None
+    if ns.supervise:
+        supervisor = Supervisor(stack, on_event=lambda role, event: print(f"epd up: {role} {event}", flush=True))
+        supervisor.start()
     address_file = ns.run_dir / ADDRESS_FILE
     address_file.parent.mkdir(parents=True, exist_ok=True)
     address_file.write_text(address)
@@ -101,9 +107,11 @@ def cmd_up(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     while not stop.wait(0.5):
         dead = [name for name, p in stack.processes.items() if not p.alive()]
-        if dead:
+        if dead and supervisor is None:
             print(f"epd up: {', '.join(dead)} exited; stopping the stack", file=sys.stderr)
             break
+    if supervisor is not None:
+        supervisor.stop()
     statuses = stack.down()
     address_file.unlink(missing_ok=True)
     print(f"stopped: {statuses}", flush=True)
@@ -226,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start a stack on loopback until Ctrl-C")
     _stack_args(up)
+    up.add_argument(
+        "--supervise",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="restart a service that dies, with back-off, on its own port (default: on)",
+    )
     up.set_defaults(func=cmd_up)
 
     gen = sub.add_parser("generate", help="send one request to a router and stream the reply")

@@ -47,13 +47,20 @@ class ServiceProcess:
     root: Path = ROOT
     process: subprocess.Popen[bytes] | None = None
     address: str = ""
+    # Incarnations so far (a supervisor restarts a dead process with the same args).
+    starts: int = field(default=0, init=False)
+    started_at: float = field(default=0.0, init=False)  # time.monotonic() of the current start
+    ready_at: float = field(default=0.0, init=False)  # ... and of its "listening" line (0: not yet)
+    _log_offset: int = field(default=0, init=False, repr=False)  # where this incarnation's output begins
 
     def start(self) -> None:
+        """Start (or restart: the log is appended to, the same arguments and port are used)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_offset = self.log_path.stat().st_size if self.starts and self.log_path.exists() else 0
         # The service stops itself if this process dies without stopping it (libs/rpc/main.py).
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "EPD_PARENT_PID": str(os.getpid()), **self.env}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.root), env.get("PYTHONPATH", "")) if p)
-        with self.log_path.open("wb") as log:
+        with self.log_path.open("ab" if self.starts else "wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", self.module, *self.args],
                 stdout=log,
@@ -63,6 +70,9 @@ class ServiceProcess:
                 env=env,
                 start_new_session=True,  # a Ctrl-C in the launcher's terminal reaches only the launcher
             )
+        self.starts += 1
+        self.started_at = time.monotonic()
+        self.ready_at = 0.0
 
     @property
     def pid(self) -> int:
@@ -81,9 +91,12 @@ class ServiceProcess:
         assert self.process is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            match = _LISTENING.search(self.log_path.read_text(errors="replace"))
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_offset)
+                match = _LISTENING.search(log.read().decode(errors="replace"))
             if match:
                 self.address = match.group(1)
+                self.ready_at = time.monotonic()
                 return self.address
             if self.process.poll() is not None:
                 raise LaunchError(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from libs.cache.process import StoreProcesses, start_store
-from libs.launch.process import LaunchError, ServiceProcess
+from libs.launch.process import LaunchError, ServiceProcess, free_port
 from libs.rpc.certs import LocalCa, write_material
 
 TLS_DIR = "tls"
@@ -49,6 +49,9 @@ class StackSpec:
     cache_store_mib: int = 256  # memory the holder lends the store, in MiB
     # Mutual TLS between services and a bearer token for clients (files under run_dir/tls).
     tls: bool = False
+    # Each service on a port chosen at launch (not 0), so a restarted process is found where its
+    # peers look: what a supervisor (libs/launch/supervisor.py) needs.
+    fixed_ports: bool = False
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service (EPD_*)
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service name
     ready_timeout_s: float = 120.0
@@ -67,6 +70,7 @@ class Stack:
         self.address = ""
         self.store: StoreProcesses | None = None
         self._ca: LocalCa | None = None
+        self._ports: set[int] = set()
 
     @property
     def tls_dir(self) -> Path:
@@ -83,6 +87,15 @@ class Stack:
             args += ["--auth-tokens-file", str(self.tls_dir / CLIENT_TOKEN)]
         return args
 
+    def _port_args(self) -> list[str]:
+        if not self.spec.fixed_ports:
+            return []
+        port = free_port()
+        while port in self._ports:  # two free ports in a row can be the same one
+            port = free_port()
+        self._ports.add(port)
+        return ["--port", str(port)]
+
     def _start_tls(self) -> None:
         self._ca = LocalCa.create()
         token = self.tls_dir / CLIENT_TOKEN
@@ -95,7 +108,7 @@ class Stack:
         process = ServiceProcess(
             name=name,
             module=module,
-            args=[*args, *self._security_args(name, module), *spec.extra_args.get(name, [])],
+            args=[*args, *self._port_args(), *self._security_args(name, module), *spec.extra_args.get(name, [])],
             log_path=spec.run_dir / f"{name}.log",
             env=spec.env,
         )

@@ -115,10 +115,16 @@ class RequestState:
         self.leases.setdefault(handle.agent.producer_address, set()).add(handle.lease_id)
 
 
+# Backend calls get the request's deadline less this margin: when a stage is down (calls wait for
+# its replacement) or slow, the router still answers, with a status naming the stage, before the
+# client's own deadline passes - the client never waits for an answer that cannot come.
+_ANSWER_MARGIN_S = 0.5
+
+
 def _remaining(deadline: float | None) -> float | None:
     if deadline is None:
         return None
-    left = deadline - time.monotonic()
+    left = deadline - time.monotonic() - _ANSWER_MARGIN_S
     if left <= 0:
         raise DeadlineExceeded("request deadline passed in the router")
     return left
@@ -138,7 +144,7 @@ class DrainWait:
         """Whether to retry the call that failed with `exc` (after the pause)."""
         if not stopping(exc.code(), exc.details()):
             return False
-        end = self._give_up if self._deadline is None else min(self._give_up, self._deadline)
+        end = self._give_up if self._deadline is None else min(self._give_up, self._deadline - _ANSWER_MARGIN_S)
         if end - time.monotonic() <= self._pause_s:
             return False
         await asyncio.sleep(self._pause_s)
