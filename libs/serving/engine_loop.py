@@ -50,7 +50,9 @@ class DecodeLoop:
 
     @property
     def active(self) -> int:
-        return len(self._queues)
+        """Sequences in the runner's batch (what `GetStats` reports): one whose stream ended early
+        counts until the runner has dropped it, so a leak shows."""
+        return len(self.runner.active_ids)
 
     async def stream(
         self, request_id: str, kv: KvCache, state: DecodeState, sampling: SamplingParams

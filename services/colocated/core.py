@@ -8,11 +8,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from libs.contract.epd.v1 import generate_pb2
+from libs.contract.errors import InvalidArgument
 from libs.contract.validation import Limits, validate_generate_request
 from libs.engine.decode_runner import DecodeRunner
 from libs.engine.encoder_runner import EncoderRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.prefill_runner import PrefillRunner
+from libs.engine.types import EncodedItem, MediaInput
 from libs.serving import convert
 from libs.serving.embeddings import FetchedItems
 from libs.serving.encoding import encode_items
@@ -47,7 +49,7 @@ class ColocatedCore:
                 file_root=self.file_root,
             )
             media.append(convert.media_input(part.media, index, data))
-        items = await encode_items(self.engine, self.encoder, media, "media") if media else []
+        items = await self._encode(media) if media else []
         sampling = convert.sampling_to_engine(request.sampling)
         result = await run_prefill(self.engine, self.prefill, request.messages, sampling, FetchedItems(items))
         async for chunk, usage in stream_after_prefill(self.decode, request_id, result, sampling):
@@ -55,3 +57,21 @@ class ColocatedCore:
             if usage is not None:
                 response.usage.CopyFrom(usage)
             yield response
+
+    async def _encode(self, media: list[MediaInput]) -> list[EncodedItem]:
+        """All items in one engine call; bad media are named `media item <i>`, as the router names
+        them (its encoders see one item per job), so a client gets the same error in every layout."""
+        try:
+            return await encode_items(self.engine, self.encoder, media)
+        except InvalidArgument as exc:
+            culprit = 0
+            if len(media) > 1:  # the engine call does not say which item failed: find it (error path only)
+                for index, item in enumerate(media):
+                    try:
+                        await encode_items(self.engine, self.encoder, [item])
+                    except InvalidArgument:
+                        culprit = index
+                        break
+                else:
+                    raise
+            raise InvalidArgument(f"media item {culprit}", str(exc)) from exc

@@ -331,6 +331,14 @@ class Router:
                 except FailedPrecondition:
                     await self._release_one(address, encoded.embeddings.lease_id)
                     raise
+                except Unavailable:
+                    # Gone since it answered (killed, restarting): the embedding went with it, so
+                    # this is an encode that failed, retried elsewhere like one.
+                    await self._release_one(address, encoded.embeddings.lease_id)
+                    if len(tried) < 2 and len(tried) < len(self._encoders.outstanding):
+                        _log.warning("encoder gone after answering; encoding elsewhere", encoder=address)
+                        continue
+                    raise
             return encoded
 
     async def _in_shared_store(self, address: str, key: str | None) -> bool:
@@ -358,15 +366,22 @@ class Router:
                 priority=b.priority_for("pd", request.priority),
             )
             span = start_phase("epd.prefill_decode")
+            pd_call = None
             try:
                 with calls_under(span):
-                    call = b.prefill_decode.PrefillDecode(pd_request, timeout=_remaining(deadline), wait_for_ready=True)
-                async for reply in call:
+                    pd_call = b.prefill_decode.PrefillDecode(
+                        pd_request, timeout=_remaining(deadline), wait_for_ready=True
+                    )
+                async for reply in pd_call:
                     state.leases.clear()  # PD read and acked the embeddings once it streams
                     yield reply.chunk, (reply.usage if reply.HasField("usage") else None)
             except grpc.aio.AioRpcError as exc:
                 raise _rpc_error("prefill" if not state.streamed else "decode", exc) from None
             finally:
+                if pd_call is not None:
+                    # Our consumer went away (client cancel): this generator is closed at its yield,
+                    # where nothing cancels the call; PD would generate on to max_tokens.
+                    pd_call.cancel()
                 span.end()
             return
 
@@ -408,6 +423,7 @@ class Router:
         span = start_phase("epd.decode")
         replies = 0
         drain = DrainWait(deadline)
+        call = None
         try:
             while True:
                 with calls_under(span):
@@ -425,6 +441,8 @@ class Router:
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error("decode", exc) from None
         finally:
+            if call is not None:
+                call.cancel()  # as for PD: a consumer gone mid-stream must stop decode (no-op when done)
             span.end()
 
     async def _release_one(self, address: str, lease_id: str) -> None:

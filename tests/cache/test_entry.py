@@ -11,7 +11,7 @@ import torch
 
 from libs.cache.entry import CacheEntry, EntryError, EntryFault, check_entry, decode, encode
 from libs.cache.keys import CacheKey
-from libs.engine.types import ImageLayout, Modality
+from libs.engine.types import Modality
 from tests.cache.helpers import NS, SPECS, make_entry, specs_for
 
 PREFIX = struct.Struct("<4sHHIQI")
@@ -161,12 +161,15 @@ def test_shape_or_spec_mismatch_is_never_served() -> None:
 
 def test_check_entry_guards_what_gets_cached() -> None:
     key, entry = make_entry()
-    check_entry(entry, key=key, specs=SPECS)
-    other_key, _ = make_entry(b"other")
-    with pytest.raises(EntryError) as info:
-        check_entry(entry, key=other_key)
-    assert info.value.fault is EntryFault.KEY_MISMATCH
-    bad_layout = CacheEntry(NS, dataclasses.replace(entry.layout, image=None, audio=None, video=None), entry.tensors)
-    with pytest.raises(EntryError):
-        check_entry(bad_layout, key=key)
-    assert entry.layout.image == ImageLayout(1, 2, 8)
+    check_entry(entry, key=key, specs=SPECS)  # a sound entry under its own key passes
+
+    def fault(candidate: CacheEntry, under: CacheKey = key) -> EntryFault:
+        with pytest.raises(EntryError) as info:
+            check_entry(candidate, key=under, specs=SPECS)
+        return info.value.fault
+
+    assert fault(entry, make_entry(b"other")[0]) is EntryFault.KEY_MISMATCH
+    assert fault(make_entry(namespace=dataclasses.replace(NS, revision="r2"))[1]) is EntryFault.NAMESPACE_MISMATCH
+    no_grid = dataclasses.replace(entry.layout, image=None, audio=None, video=None)
+    assert fault(CacheEntry(NS, no_grid, entry.tensors)) is EntryFault.LAYOUT_INVALID
+    assert fault(make_entry(width=32)[1]) is EntryFault.SPEC_MISMATCH

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from libs.cache.breaker import BreakerState
 from libs.cache.cache import CacheConfig, EncoderCache, Source
 from libs.cache.entry import CacheEntry, decode, encode
 from libs.cache.process import StoreProcesses
@@ -195,11 +196,12 @@ def test_store_killed_mid_use_turns_into_misses(own_store: StoreProcesses) -> No
             started = time.monotonic()
             result = asyncio.run(cache.get_or_compute(key, compute))
             assert result.source is Source.COMPUTED
-            assert time.monotonic() - started < 3.0
-        started = time.monotonic()
+            # Bounded by our 1 s deadline, not the binding's own (generous: a loaded host stretches it).
+            assert time.monotonic() - started < 10
+        # Circuit open (for its 30 s cooldown): the next lookup is refused at once, not sent to a dead store.
+        assert cache.store is not None and cache.store.breaker.state is BreakerState.OPEN
         cache.local.clear()
         asyncio.run(cache.get_or_compute(key, compute))
-        assert time.monotonic() - started < 0.5  # circuit open: no more waiting on a dead store
         assert computed == 4
         assert cache.flush(15)
         counts = metrics.counters()

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from libs.contract import validation as v
-from libs.contract.epd.v1 import layout_pb2, media_pb2, service_info_pb2, tensor_pb2
+from libs.contract.epd.v1 import chat_pb2, layout_pb2, media_pb2, service_info_pb2, tensor_pb2
 from libs.contract.errors import InvalidArgument
 from libs.contract.version import CONTRACT_MINOR, incompatibility
 from tests.contract import samples
@@ -282,16 +282,27 @@ def test_dtype_sizes_cover_every_dtype() -> None:
 
 def test_text_only_prefill_needs_no_media() -> None:
     request = samples.prefill_request()
-    del request.messages[0].parts[:3]
-    v.validate_prefill_request(request)
-    assert not any(p.WhichOneof("kind") != "text" for m in request.messages for p in m.parts)
+    del request.messages[:]
+    request.messages.add(role=chat_pb2.CHAT_ROLE_USER).parts.add(text="no media at all")
+    v.validate_prefill_request(request)  # no encoded part, so no handle or layout to check: valid
+    # The conversation is still checked: a part with nothing in it next to the text is refused.
+    request.messages[0].parts.add()
+    with pytest.raises(InvalidArgument) as caught:
+        v.validate_prefill_request(request)
+    assert caught.value.field == "messages[0].parts[1].kind"
 
 
 def test_uri_source_is_accepted() -> None:
     request = samples.generate_request()
-    request.messages[1].parts[0].media.uri = "file:///tmp/cat.png"
-    assert request.messages[1].parts[0].media.WhichOneof("source") == "uri"
+    media = request.messages[1].parts[0].media
+    media.uri = "file:///tmp/cat.png"  # replaces the inline bytes (one source)
     v.validate_generate_request(request)
+    # The URI itself is checked: present and bounded.
+    for uri, says in (("", "must not be empty"), ("file:///" + "x" * 4096, "the limit is 4096")):
+        media.uri = uri
+        with pytest.raises(InvalidArgument) as caught:
+            v.validate_generate_request(request)
+        assert (caught.value.field, says in caught.value.problem) == ("messages[1].parts[0].media.uri", True)
 
 
 def test_unknown_enum_value_is_named() -> None:

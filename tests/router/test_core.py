@@ -25,7 +25,7 @@ from libs.contract.epd.v1 import (
     prefill_decode_pb2,
     prefill_pb2,
 )
-from libs.contract.errors import FailedPrecondition, InvalidArgument
+from libs.contract.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.router.core import Backends, Router, RpcFailed
 from services.router.encoders import EncoderPool
 from tests.contract import samples
@@ -96,12 +96,36 @@ class Prefill:
         )
 
 
+class StreamCall:
+    """What a grpc.aio unary-stream call gives the router: its responses, and `cancel()`, which (as
+    in grpc) does nothing once the stream has ended."""
+
+    def __init__(self, responses: AsyncIterator[Any]) -> None:
+        self._responses = responses
+        self.ended = False
+        self.cancelled = False
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        try:
+            async for response in self._responses:
+                yield response
+        finally:
+            self.ended = not self.cancelled
+
+    def cancel(self) -> bool:
+        if self.ended:
+            return False
+        self.cancelled = True
+        return True
+
+
 class Decode:
     def __init__(self, fail_before: bool = False) -> None:
         self.fail_before = fail_before
         self.requests: list[decode_pb2.DecodeRequest] = []
+        self.calls: list[StreamCall] = []
 
-    def Decode(self, request: decode_pb2.DecodeRequest, timeout: float | None = None, **_: Any) -> AsyncIterator[Any]:
+    def Decode(self, request: decode_pb2.DecodeRequest, timeout: float | None = None, **_: Any) -> StreamCall:
         self.requests.append(request)
 
         async def stream() -> AsyncIterator[Any]:
@@ -114,7 +138,8 @@ class Decode:
                 usage=generation_pb2.Usage(prompt_tokens=10, completion_tokens=3),
             )
 
-        return stream()
+        self.calls.append(StreamCall(stream()))
+        return self.calls[-1]
 
 
 class Harness:
@@ -254,17 +279,38 @@ def test_client_cancel_releases_what_the_request_holds() -> None:
     assert h.leases.released == {"127.0.0.1:50061": {"kv-lease-1"}}
 
 
+def test_client_gone_mid_decode_cancels_the_decode_call() -> None:
+    h = Harness()
+
+    async def run() -> None:
+        stream = h.router.generate(_request(1))
+        assert [t for t in (await stream.__anext__()).chunk.token_ids] == [7]  # prefill's
+        assert [t for t in (await stream.__anext__()).chunk.token_ids] == [8]  # decode's first
+        await stream.aclose()  # the client went away mid-decode
+
+    asyncio.run(run())
+    (call,) = h.decode.calls
+    assert call.cancelled  # decode stops generating, instead of running on to max_tokens
+
+    finished = Harness()
+    assert asyncio.run(finished.tokens(_request(1))) == [7, 8, 9]
+    assert not finished.decode.calls[0].cancelled  # a stream read to its end is left alone
+
+
 def test_e_plus_pd_layout() -> None:
     seen: list[prefill_decode_pb2.PrefillDecodeRequest] = []
+    calls: list[StreamCall] = []
 
     class PD:
-        def PrefillDecode(self, request: Any, timeout: float | None = None, **_: Any) -> AsyncIterator[Any]:
+        def PrefillDecode(self, request: Any, timeout: float | None = None, **_: Any) -> StreamCall:
             seen.append(request)
 
             async def stream() -> AsyncIterator[Any]:
-                yield prefill_decode_pb2.PrefillDecodeResponse(chunk=generation_pb2.TokenChunk(token_ids=[5]))
+                for token in (5, 6):
+                    yield prefill_decode_pb2.PrefillDecodeResponse(chunk=generation_pb2.TokenChunk(token_ids=[token]))
 
-            return stream()
+            calls.append(StreamCall(stream()))
+            return calls[-1]
 
     log: list[tuple[str, int]] = []
     router = Router(
@@ -274,9 +320,18 @@ def test_e_plus_pd_layout() -> None:
     async def run() -> list[int]:
         return [t async for r in router.generate(_request(1)) for t in r.chunk.token_ids]
 
-    assert asyncio.run(run()) == [5]
+    assert asyncio.run(run()) == [5, 6]
     assert seen[0].messages[0].parts[0].WhichOneof("kind") == "encoded"
     assert isinstance(seen[0].messages[0].parts[0].encoded, layout_pb2.EncodedMedia)
+    assert not calls[0].cancelled
+
+    async def leave_after_one() -> None:
+        stream = router.generate(_request(1))
+        await stream.__anext__()
+        await stream.aclose()  # the client went away mid-stream
+
+    asyncio.run(leave_after_one())
+    assert calls[1].cancelled  # PD stops generating too
 
 
 def test_invalid_client_request_is_rejected_before_any_work() -> None:
@@ -310,6 +365,27 @@ def test_incompatible_encoder_is_skipped_at_first_contact() -> None:
         asyncio.run(h.tokens(_request(1)))
 
 
+def test_encoder_gone_right_after_answering_is_an_encode_failure_retried_elsewhere() -> None:
+    """Its answer's handle names its incarnation; re-checking it finds the encoder unreachable (it
+    was killed): the embedding went with it, so the item is encoded on another encoder."""
+    h = Harness()
+    gone: list[str] = []
+
+    async def check(address: str, instance_id: str | None) -> None:
+        if instance_id is not None and not gone:  # the first encoder to answer dies right after
+            gone.append(address)
+            raise Unavailable(f"peer {address} unreachable: UNAVAILABLE connection refused")
+
+    h.router._backends.check_encoder = check
+    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    (dead,) = gone
+    (other,) = set(h.encoders) - {dead}
+    assert h.log == [(dead, 0), (other, 0)]
+    (sent,) = h.prefill.requests
+    assert sent.messages[0].parts[0].encoded.embeddings.agent.producer_address == other
+    assert h.leases.released == {dead: {f"{dead}/1"}}  # given up, best effort
+
+
 # How a stage going away for a restart answers: its admission refuses while it drains, then grpc
 # core cancels the calls still queued when the server stops (libs/rpc/retry.py).
 GOING_AWAY = {
@@ -331,7 +407,7 @@ def test_singleton_stage_going_away_for_a_restart_is_waited_out(how: str) -> Non
             raise _error(code, details)
         return await prefill(request, timeout=timeout)
 
-    def refusing_decode(request: Any, timeout: float | None = None, **kw: Any) -> AsyncIterator[Any]:
+    def refusing_decode(request: Any, timeout: float | None = None, **kw: Any) -> StreamCall:
         calls["decode"] += 1
         if calls["decode"] <= 2:
 
@@ -339,7 +415,7 @@ def test_singleton_stage_going_away_for_a_restart_is_waited_out(how: str) -> Non
                 raise _error(code, details)
                 yield  # pragma: no cover
 
-            return refuse()
+            return StreamCall(refuse())
         return decode(request, timeout=timeout)
 
     h.prefill.Prefill = refusing_prefill  # type: ignore[method-assign]

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from libs.client.generate import build_request
-from libs.contract.epd.v1 import media_pb2, sampling_pb2
-from libs.engine.media import synthetic
+from libs.contract.epd.v1 import generate_pb2
 from libs.launch.process import ServiceProcess, free_port
 from libs.launch.stack import Stack, StackSpec
-from tests.services.conftest import run_requests, wait_pools_empty
+from tests.services.conftest import MIXES, run_requests, wait_pools_empty
+from tests.services.golden import request_for
 
 
 def _counter(text: str, name: str) -> float:
@@ -27,7 +26,7 @@ def _counter(text: str, name: str) -> float:
 
 
 @pytest.mark.timeout(240)
-def test_same_new_image_is_encoded_once(model_path: Path, tmp_path: Path) -> None:
+def test_same_new_image_is_encoded_once(model_path: Path, tmp_path: Path, expected: dict[str, list[int]]) -> None:
     """16 concurrent requests, half through a second router, two encoders: one encode in all."""
     ports = [free_port(), free_port()]
     spec = StackSpec(
@@ -37,12 +36,10 @@ def test_same_new_image_is_encoded_once(model_path: Path, tmp_path: Path) -> Non
         run_dir=tmp_path,
         extra_args={f"encoder-{i}": ["--metrics-port", str(port)] for i, port in enumerate(ports)},
     )
-    image = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(72, 56, seed=1234))
 
-    def request(i: int) -> object:
-        return build_request(
-            "what is this", [image], sampling=sampling_pb2.SamplingParams(max_tokens=4), request_id=f"same-{i}"
-        )
+    def request(i: int) -> generate_pb2.GenerateRequest:
+        # The golden "image" mix: new to this stack (started here), and with known tokens.
+        return request_for(MIXES["image"], request_id=f"same-{i}")
 
     with Stack(spec).running() as stack:
         p = stack.processes
@@ -69,7 +66,8 @@ def test_same_new_image_is_encoded_once(model_path: Path, tmp_path: Path) -> Non
             second_router.stop()
         texts = [urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=10).read().decode() for p in ports]
         wait_pools_empty(stack)
-    assert len(first) == 16 and len({tuple(r.token_ids) for r in [*first, *later]}) == 1  # same item, same tokens
+    assert len(first) == 16
+    assert [r.token_ids for r in [*first, *later]] == [expected["image"]] * 17  # the model's own tokens, each
     assert sum(_counter(t, "epd_cache_computes_total") for t in texts) == 1
     lookups = sum(_counter(t, "epd_cache_lookups_total") for t in texts)
     joins = sum(_counter(t, "epd_cache_flight_joins_total") for t in texts)

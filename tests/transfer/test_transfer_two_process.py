@@ -212,8 +212,8 @@ def test_out_of_bounds_regions_fail_fast(producer_peer: PeerProcess, consumer: T
     }[where]
     started = time.monotonic()
     with pytest.raises(DescriptorOutOfBounds) as info:
-        consumer.fetch(bad)
-    assert time.monotonic() - started < 1.0
+        consumer.fetch(bad, timeout_s=60)
+    assert time.monotonic() - started < 30  # refused by NIXL at once, not ended by our deadline (generous)
     assert info.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT
     with consumer.fetch(published.handle) as received:  # the genuine handle still works
         assert_bit_exact(received, published)
@@ -227,24 +227,25 @@ def test_unknown_agent_is_unavailable(producer_peer: PeerProcess, consumer: Tens
     ghost.agent.agent_name = "encoder-that-never-was"
     started = time.monotonic()
     with pytest.raises(PeerUnavailable):  # the resolver has no metadata for it
-        consumer.fetch(ghost)
-    assert time.monotonic() - started < 1.0
+        consumer.fetch(ghost, timeout_s=60)
+    assert time.monotonic() - started < 30  # at once, not at our deadline (generous for a loaded host)
     assert producer_peer.call("release", [published.handle.lease_id]) == 1
 
 
 @pytest.mark.timeout(30)
 def test_expired_lease_is_reclaimed_and_its_handle_is_stale(
-    producer_peer: PeerProcess, consumer: TensorConsumer
+    producer_peer: PeerProcess, consumer: TensorConsumer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     published = producer_peer.put([("embeddings", (256, 256), "float32")], seed=9, ttl_s=0.3)
     before = producer_peer.stats()["leases"]["expired"]
-    stats = producer_peer.wait_leases_settled(timeout=5)
+    stats = producer_peer.wait_leases_settled(timeout=30)
     assert stats["leases"]["expired"] == before + 1
     assert stats["pool"]["slots_in_use"] == 0
-    started = time.monotonic()
+    reads: list[str] = []
+    monkeypatch.setattr(consumer.agent, "start_read", lambda peer, *_: reads.append(peer))
     with pytest.raises(StaleHandle) as info:
         consumer.fetch(published.handle)
-    assert time.monotonic() - started < 0.5
+    assert reads == []  # refused from the handle's own expiry, before any read of reclaimed memory
     assert info.value.grpc_code == grpc.StatusCode.NOT_FOUND
 
 
@@ -255,12 +256,21 @@ def test_consumer_pool_exhaustion_leaves_the_lease_to_the_producer(producer_peer
     with TransferAgent(TransferConfig(pool_bytes=MiB, huge_pages=False)) as small:
         consumer = TensorConsumer(small, resolver)
         published = producer_peer.put([("embeddings", (4 * MiB,), "uint8")], seed=10)
+        acked = producer_peer.wait_leases_settled()["leases"]["acked"]
         with pytest.raises(PoolExhausted) as info:
             consumer.fetch(published.handle)
         assert info.value.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert small.pool.stats().empty
-    time.sleep(0.05)
-    assert producer_peer.stats()["leases"]["active"] == 1  # not acked: the producer still holds it
+        # Not acked, proven by order rather than by waiting: this agent's next ack to the producer
+        # travels behind any earlier one, so once the producer has it, an ack of the failed fetch
+        # would have arrived too.
+        barrier = producer_peer.put([("embeddings", (KiB,), "uint8")], seed=11)
+        consumer.fetch(barrier.handle).release()
+        deadline = time.monotonic() + 30
+        while (stats := producer_peer.stats())["leases"]["acked"] == acked and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert stats["leases"]["acked"] == acked + 1  # the barrier's ack, and only it
+    assert stats["leases"]["active"] == 1  # the producer still holds the lease of the failed fetch
     assert producer_peer.call("release", [published.handle.lease_id]) == 1
 
 

@@ -1,0 +1,90 @@
+"""The TTFT attribution rule of `epd trace report` on synthetic spans whose answer is worked out by
+hand: stage spans overlap (two media items encoded in parallel, a cache load inside both), a stage
+runs past the first token, a grouping span carries no stage, a span lies outside the request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from libs.telemetry.report import CATEGORIES, attribute, breakdowns, render_text
+from libs.telemetry.spans import SpanRecord
+
+TRACE = "ab" * 16
+MS = 1_000_000  # ns
+T0 = 1_700_000_000_000 * MS  # an arbitrary epoch instant: spans carry wall-clock times
+
+
+def span(name: str, stage: str | None, start_ms: float, end_ms: float, **attributes: Any) -> SpanRecord:
+    if stage is not None:
+        attributes["epd.stage"] = stage
+    return SpanRecord(
+        trace_id=attributes.pop("trace_id", TRACE),
+        span_id=f"{abs(hash((name, start_ms, end_ms))):016x}"[:16],
+        parent_id=attributes.pop("parent_id", "00" * 8),
+        name=name,
+        service=attributes.pop("service", "encoder"),
+        start_ns=T0 + int(start_ms * MS),
+        end_ns=T0 + int(end_ms * MS),
+        attributes=attributes,
+    )
+
+
+# Milliseconds after the request's start; its first token comes at 22.
+SPANS = [
+    # Item A: queue 0-1, preprocess 1-3, encode 3-10. Item B, in parallel: queue 0-2, preprocess 2-4,
+    # encode 4-14. While both are active, the request waits for the one that ends last.
+    span("encoder.queue", "queue", 0, 1),
+    span("encoder.preprocess", "preprocess", 1, 3),
+    span("encoder.compute", "encode", 3, 10),
+    span("encoder.queue", "queue", 0, 2),
+    span("encoder.preprocess", "preprocess", 2, 4),
+    span("encoder.compute", "encode", 4, 14),
+    # A cache load that starts last but ends first: hidden by B's encode, which the request waits for.
+    span("cache.load", "cache_load", 5, 7),
+    span("embeddings.transfer", "transfer", 14, 16, service="prefill"),
+    span("prefill.compute", "prefill", 16, 20, service="prefill"),
+    # 20-21: no stage span (an RPC hop): "other". Decode starts at 21 and runs past the first token.
+    span("decode.generate", "decode", 21, 30, service="decode"),
+    span("epd.encode", None, 0, 14, service="router"),  # a grouping span: never counted
+    span("router.queue", "queue", -5, -1, service="router"),  # before the request's window
+]
+WANT_MS = {"queue": 1, "preprocess": 2, "encode": 11, "cache_load": 0, "transfer": 2, "prefill": 4, "decode": 1}
+
+
+def _seconds(parts_ms: dict[str, float]) -> dict[str, float]:
+    return {c: parts_ms.get(c, 0) / 1000 for c in CATEGORIES}
+
+
+def test_each_instant_goes_to_the_active_stage_that_ends_last() -> None:
+    parts = attribute(SPANS, T0, T0 + 22 * MS)
+    assert parts == pytest.approx(_seconds({**WANT_MS, "other": 1}), abs=1e-9)
+
+
+def test_a_window_without_stage_spans_is_all_other() -> None:
+    parts = attribute(SPANS, T0 + 30 * MS, T0 + 35 * MS)
+    assert parts == pytest.approx(_seconds({"other": 5}), abs=1e-9)
+
+
+def test_breakdowns_take_the_window_from_the_root_and_keep_traces_apart() -> None:
+    root = span(
+        "GenerateService/Generate",
+        None,
+        0,
+        30,
+        service="router",
+        parent_id="",
+        **{"epd.ttft_s": 0.022, "epd.request_id": "r-1", "gen_ai.usage.output_tokens": 9},
+    )
+    other_trace = [
+        span("GenerateService/Generate", None, 100, 110, trace_id="cd" * 16, parent_id="", service="router"),
+        span("prefill.compute", "prefill", 101, 109, trace_id="cd" * 16, service="prefill"),
+    ]  # no epd.ttft_s: a request that never produced a token is not reported
+    (item,) = breakdowns([*SPANS, root, *other_trace])
+    assert (item.trace_id, item.request_id, item.output_tokens) == (TRACE, "r-1", 9)
+    assert item.ttft_s == 0.022 and item.e2e_s == pytest.approx(0.030)
+    assert item.services == ["decode", "encoder", "prefill", "router"]
+    assert item.parts == pytest.approx(_seconds({**WANT_MS, "other": 1}), abs=1e-6)
+    text = render_text([item])
+    assert "r-1" in text and "p90 (1 requests)" in text
