@@ -30,6 +30,8 @@ def model_service_parts(
     servicers = [servicer]
     if transport is not None and transport.produces:
         servicers.append(lease_servicer(transport))
+    if transport is not None:
+        info.capabilities.extend(c for c in transport.capabilities() if c not in info.capabilities)
     lanes = (admission, *other_lanes)  # each admits its own kind of work
     servicers.append(stats_servicer(transport, lambda: sum(a.running + a.waiting for a in lanes), active_sequences))
 

@@ -27,3 +27,6 @@ class ModelServiceSettings(CommonSettings):
         True, "attach and verify a CRC32 per transferred tensor (catches reads of reclaimed slots)"
     )
     poison_freed: bool = setting(True, "overwrite freed slots, so a read of a reclaimed slot fails its checksum")
+    accept_inline_tensors: bool = setting(
+        False, "accept tensor bytes inside requests (INLINE handles) from unauthenticated callers; always with TLS"
+    )

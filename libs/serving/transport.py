@@ -29,7 +29,17 @@ from libs.contract.errors import EpdError, error_for
 from libs.rpc.peers import check_peer
 from libs.rpc.server import sync_channel
 from libs.serving.settings import ModelServiceSettings
-from libs.transfer import PeerUnavailable, TensorConsumer, TensorProducer, TransferAgent, TransferConfig, TransferError
+from libs.transfer import (
+    AgentMetadata,
+    PeerUnavailable,
+    TensorConsumer,
+    TensorProducer,
+    TransferAgent,
+    TransferConfig,
+    TransferError,
+)
+from libs.transfer.stamp import CAPABILITY as STAMP_CAPABILITY
+from libs.transfer.stamp import CHECKSUMS_CAPABILITY
 
 T = TypeVar("T")
 
@@ -63,6 +73,8 @@ def transfer_config(settings: ModelServiceSettings, role: str) -> TransferConfig
         checksum=settings.checksum,
         verify_checksum=settings.checksum,
         poison_freed=settings.poison_freed,
+        # Tensor bytes inside a request: only from callers mutual TLS authenticated, or when asked.
+        accept_inline=settings.accept_inline_tensors or settings.tls_ca is not None,
     )
 
 
@@ -75,7 +87,7 @@ class MetadataResolver:
         self._channels: dict[str, grpc.Channel] = {}
         self.infos: dict[str, service_info_pb2.ServiceInfo] = {}  # producer address -> last info seen
 
-    def __call__(self, ref: tensor_pb2.NixlAgentRef) -> bytes:
+    def __call__(self, ref: tensor_pb2.NixlAgentRef) -> AgentMetadata:
         address = ref.producer_address
         channel = self._channels.get(address)
         if channel is None:
@@ -95,7 +107,12 @@ class MetadataResolver:
         self.infos[address] = reply.info
         for transport in reply.info.transports:
             if transport.kind == tensor_pb2.TRANSPORT_KIND_NIXL and transport.nixl.agent_name == ref.agent_name:
-                return bytes(transport.nixl.metadata)
+                capabilities = set(reply.info.capabilities)
+                return AgentMetadata(
+                    bytes(transport.nixl.metadata),
+                    lease_stamps=STAMP_CAPABILITY in capabilities,
+                    checksums=CHECKSUMS_CAPABILITY in capabilities,
+                )
         raise PeerUnavailable(f"producer {address} no longer runs agent {ref.agent_name}")
 
     def close(self) -> None:
@@ -158,6 +175,13 @@ class Transport:
     @property
     def produces(self) -> bool:
         return self._produce
+
+    def capabilities(self) -> list[str]:
+        """What consumers of this producer's handles may rely on (advertised in ServiceInfo)."""
+        if not self._produce:
+            return []
+        # Every slot our producer hands out carries a lease stamp; checksums as configured.
+        return [STAMP_CAPABILITY, *([CHECKSUMS_CAPABILITY] if self.agent.config.checksum else [])]
 
     def held_leases(self) -> int:
         """Leases this process holds for consumers (0 without a producer)."""

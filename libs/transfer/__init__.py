@@ -25,12 +25,13 @@ from libs.transfer.errors import (
 )
 from libs.transfer.handles import ExpectedTensor
 from libs.transfer.leases import LeaseStats
-from libs.transfer.peers import MetadataResolver
+from libs.transfer.peers import AgentMetadata, MetadataResolver
 from libs.transfer.pool import PoolStats
 from libs.transfer.producer import Reservation, TensorProducer
 
 __all__ = [
     "AgentClosed",
+    "AgentMetadata",
     "BadDescriptor",
     "ChecksumMismatch",
     "DescriptorOutOfBounds",

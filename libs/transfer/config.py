@@ -32,6 +32,9 @@ class TransferConfig:
     quarantine_s: float = 30.0
     # Largest total payload of one INLINE handle, in bytes (it rides inside a gRPC message).
     inline_max_bytes: int = 1 * MiB
+    # Consumer: take INLINE handles at all. Their bytes come from the caller, not from a producer's
+    # memory, so only callers that are authenticated (mutual TLS) should be able to send them.
+    accept_inline: bool = False
     # Producer: attach a CRC32 of every tensor to its descriptor.
     checksum: bool = False
     # Consumer: verify a descriptor's checksum when one is attached.

@@ -14,9 +14,11 @@ For each NIXL handle, `fetch` / `fetch_many`:
    the READ is cancelled and the slot quarantined (a late write may still land) -
    `TransferTimeout`; a dead peer is `PeerUnavailable`; a region outside the producer's registered
    memory is `DescriptorOutOfBounds`;
-5. verifies checksums when present, queues the notification to the producer (message: the lease
-   id) for the agent's service thread, which sends it at once, off the caller's path, and returns
-   `ReceivedTensors` whose tensors view the slot without a copy.
+5. checks the lease stamp read with the tensors when the producer stamps its slots (a made-up,
+   released, expired or reused lease is `StaleHandle`; libs/transfer/stamp.py), verifies checksums
+   when present, queues the notification to the producer (message: the lease id) for the agent's
+   service thread, which sends it at once, off the caller's path, and returns `ReceivedTensors`
+   whose tensors view the slot without a copy.
 
 The caller releases each `ReceivedTensors` (context manager or `release()`) once it no longer
 needs the tensors; until then the slot stays out of the pool. INLINE handles go through the same
@@ -34,7 +36,9 @@ import torch
 from libs.contract.epd.v1 import tensor_pb2
 from libs.transfer.agent import PendingRead, Range, ReadState, TransferAgent
 from libs.transfer.errors import (
+    BadDescriptor,
     DescriptorOutOfBounds,
+    InlineRefused,
     InlineTooLarge,
     PeerUnavailable,
     StaleHandle,
@@ -52,6 +56,8 @@ from libs.transfer.handles import (
 )
 from libs.transfer.peers import MetadataResolver, PeerDirectory
 from libs.transfer.pool import MemoryPool, Slot
+from libs.transfer.stamp import STAMP_BYTES
+from libs.transfer.stamp import verify as verify_stamp
 
 Expectation = Mapping[str, ExpectedTensor]
 
@@ -125,6 +131,7 @@ class _Job:
     slot: Slot | None = None
     read: PendingRead | None = None
     outcome: str = ""  # DONE, ERR or TIMEOUT once settled
+    stamped: bool = False  # the slot's first STAMP_BYTES hold the producer's lease stamp
     # Built before the READ is posted (see `_post`): the views returned, and the checksums to verify
     # as (name, checksum, offset in the slot, bytes).
     tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -210,7 +217,17 @@ class TensorConsumer:
     def _post(self, job: _Job) -> None:
         handle = job.handle
         job.peer = self.peers.ensure(handle.agent)
-        slot = job.slot = self.agent.pool.allocate(job.total)
+        job.stamped = self.peers.stamped(job.peer)
+        if self.peers.checksums(job.peer):
+            missing = [desc.name for desc in handle.tensors if desc.spec.nbytes and not desc.HasField("checksum")]
+            if missing:
+                raise BadDescriptor(
+                    f"handle {handle.lease_id}: tensors {missing} lack the checksum agent {job.peer} attaches to "
+                    "every tensor",
+                    field="handle.tensors.checksum",
+                )
+        base = STAMP_BYTES if job.stamped else 0  # local layout mirrors the producer's
+        slot = job.slot = self.agent.pool.allocate(base + job.total)
         buffer = self.agent.pool.buffer
         verify = self.agent.config.verify_checksum
         local: list[Range] = []
@@ -219,17 +236,28 @@ class TensorConsumer:
         # caches, so work done after it runs cold (measured: tensor views ~2x slower afterwards).
         for desc, offset in zip(handle.tensors, job.offsets, strict=True):
             spec = desc.spec
-            job.tensors[desc.name] = view_tensor(buffer, slot.offset + offset, spec)
+            job.tensors[desc.name] = view_tensor(buffer, slot.offset + base + offset, spec)
             if verify and desc.HasField("checksum"):
-                job.checks.append((desc.name, desc.checksum, offset, spec.nbytes))
-            address = slot.address + offset
+                job.checks.append((desc.name, desc.checksum, base + offset, spec.nbytes))
+            address = slot.address + base + offset
             for region in desc.regions:
                 local.append((address, region.length))
                 remote.append((region.address, region.length))
                 address += region.length
         if not remote:  # only empty tensors: nothing to move
             job.outcome = ReadState.DONE
+            job.stamped = False
             return
+        if job.stamped:
+            # The stamp sits just before where the producer packed the first tensor with bytes.
+            first = next(i for i, desc in enumerate(handle.tensors) if desc.regions)
+            stamp_address = handle.tensors[first].regions[0].address - job.offsets[first] - STAMP_BYTES
+            if stamp_address < 0:
+                raise DescriptorOutOfBounds(
+                    f"handle {handle.lease_id}: regions do not follow a lease stamp", field="handle.tensors.regions"
+                )
+            local.append((slot.address, STAMP_BYTES))
+            remote.append((stamp_address, STAMP_BYTES))
         try:
             job.read = self.agent.start_read(job.peer, local, remote)
             if job.read.state == ReadState.DONE:  # `transfer()` usually moves all the bytes itself
@@ -287,11 +315,13 @@ class TensorConsumer:
             self.peers.forget(job.peer)
             raise PeerUnavailable(f"READ of lease {handle.lease_id} from agent {job.peer} failed (peer gone?)")
         pool = self.agent.pool
+        data = pool.view(job.slot)
+        if job.stamped:
+            # Not this lease's memory: acking would free whatever lease really holds it.
+            verify_stamp(data, job.lease_id, job.peer)
         try:
-            if job.checks:
-                data = pool.view(job.slot)
-                for name, checksum, offset, nbytes in job.checks:
-                    verify_checksum(name, checksum, data[offset : offset + nbytes])
+            for name, checksum, offset, nbytes in job.checks:
+                verify_checksum(name, checksum, data[offset : offset + nbytes])
         finally:
             # We will not read this lease again, whatever the verification said: let it go. The
             # service thread sends it, off the caller's path.
@@ -320,6 +350,11 @@ class TensorConsumer:
         self.agent.quarantine(slot, None if released else job.read)
 
     def _take_inline(self, handle: tensor_pb2.TensorHandle) -> ReceivedTensors:
+        if not self.agent.config.accept_inline:
+            raise InlineRefused(
+                f"inline handle {handle.lease_id}: tensor bytes inside a request are accepted only from "
+                "authenticated callers (TLS) or with accept_inline"
+            )
         payload = sum(desc.spec.nbytes for desc in handle.tensors)
         limit = self.agent.config.inline_max_bytes
         if payload > limit:

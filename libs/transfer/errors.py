@@ -35,6 +35,13 @@ class InlineTooLarge(TransferError):
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class InlineRefused(TransferError):
+    """An INLINE handle (tensor bytes inside the request) from a caller this consumer does not
+    accept them from: they would let any caller inject embeddings or KV."""
+
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class TransferTimeout(TransferError):
     """A READ did not complete before our deadline; it was cancelled and its slot quarantined."""
 

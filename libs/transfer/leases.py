@@ -3,7 +3,8 @@
 Owned by `TensorProducer`. A lease's slot returns to the pool on exactly one of: the consumer's
 completion notification (`acked`), an explicit release (`LeaseService.ReleaseLeases`), or expiry
 (the reaper, run by the agent's service thread). Never before: that is the slot-reuse guarantee.
-Late or duplicate completions of a lease already gone are counted and ignored. Thread-safe.
+Late or duplicate completions of a lease already gone are counted and ignored. The slot's lease
+stamp is wiped before the slot goes back, so no handle matches it afterwards. Thread-safe.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import enum
 import threading
 
 from libs.transfer.pool import MemoryPool, Slot
+from libs.transfer.stamp import wipe
 
 
 class Completion(enum.Enum):
@@ -61,8 +63,12 @@ class LeaseTable:
                 self._unknown += 1
                 return False
             self._counts[how] += 1
-        self._pool.free(lease.slot, poison=self._poison)
+        self._free(lease.slot)
         return True
+
+    def _free(self, slot: Slot) -> None:
+        wipe(slot.address)
+        self._pool.free(slot, poison=self._poison)
 
     def reap(self, now: float) -> bool:
         """Expire overdue leases; True while leases remain (the agent then polls fast)."""
@@ -73,7 +79,7 @@ class LeaseTable:
             self._counts[Completion.EXPIRED] += len(overdue)
             remaining = bool(self._leases)
         for lease in overdue:
-            self._pool.free(lease.slot, poison=self._poison)
+            self._free(lease.slot)
         return remaining
 
     def stats(self) -> LeaseStats:

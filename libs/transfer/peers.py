@@ -21,8 +21,18 @@ from libs.contract.epd.v1 import tensor_pb2
 from libs.transfer.agent import TransferAgent
 from libs.transfer.errors import PeerUnavailable, StaleHandle, TransferError
 
-# Returns the agent metadata blob of the agent `ref` names (taken after its memory registration).
-MetadataResolver = Callable[[tensor_pb2.NixlAgentRef], bytes]
+
+@dataclasses.dataclass(frozen=True)
+class AgentMetadata:
+    """What a resolver knows of a producer's agent."""
+
+    blob: bytes  # NIXL agent metadata, taken after its memory registration
+    lease_stamps: bool = False  # the producer stamps its slots (libs/transfer/stamp.py): check them
+    checksums: bool = False  # the producer attaches a CRC to every tensor: require them
+
+
+# Returns the agent metadata of the agent `ref` names; a bare blob means a producer without stamps.
+MetadataResolver = Callable[[tensor_pb2.NixlAgentRef], "bytes | AgentMetadata"]
 
 # Retired incarnations remembered per agent name (enough for restart loops; bounded memory).
 _RETIRED_KEPT = 16
@@ -47,6 +57,8 @@ class PeerDirectory:
         # agent name -> instance id of the incarnation loaded now: the lock-free path of `ensure`
         # (entries change only under the peer's lock).
         self._loaded: dict[str, str] = {}
+        self._stamped: dict[str, bool] = {}  # agent name -> its producer stamps slots
+        self._checksums: dict[str, bool] = {}  # agent name -> its producer checksums every tensor
         self.resolve_calls = 0
 
     def ensure(self, ref: tensor_pb2.NixlAgentRef) -> str:
@@ -70,15 +82,25 @@ class PeerDirectory:
                 peer.loaded = False
             peer.instance_id = ref.instance_id
             metadata = self._fetch(ref)
-            loaded_name = self._agent.load_peer(metadata)
+            loaded_name = self._agent.load_peer(metadata.blob)
             if loaded_name != name:
                 raise StaleHandle(
                     f"producer {ref.producer_address} now runs agent {loaded_name}, not {name} "
                     "(it restarted); the handle is stale"
                 )
             peer.loaded = True
+            self._stamped[name] = metadata.lease_stamps
+            self._checksums[name] = metadata.checksums
             self._loaded[name] = peer.instance_id
             return name
+
+    def stamped(self, name: str) -> bool:
+        """Whether the loaded agent's producer stamps its slots (so every READ checks the stamp)."""
+        return self._stamped.get(name, False)
+
+    def checksums(self, name: str) -> bool:
+        """Whether the loaded agent's producer checksums every tensor (so handles must carry them)."""
+        return self._checksums.get(name, False)
 
     def forget(self, name: str) -> None:
         """Drop a peer after a failure (dead or disconnected); the next handle re-resolves it."""
@@ -92,7 +114,7 @@ class PeerDirectory:
                 self._agent.forget_peer(name)
                 peer.loaded = False
 
-    def _fetch(self, ref: tensor_pb2.NixlAgentRef) -> bytes:
+    def _fetch(self, ref: tensor_pb2.NixlAgentRef) -> AgentMetadata:
         with self._lock:
             self.resolve_calls += 1
         try:
@@ -103,6 +125,8 @@ class PeerDirectory:
             raise PeerUnavailable(
                 f"cannot obtain metadata of agent {ref.agent_name} from {ref.producer_address or '?'}: {exc}"
             ) from exc
-        if not metadata:
+        if isinstance(metadata, bytes):
+            metadata = AgentMetadata(metadata)
+        if not metadata.blob:
             raise PeerUnavailable(f"no metadata for agent {ref.agent_name} from {ref.producer_address or '?'}")
         return metadata

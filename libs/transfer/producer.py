@@ -5,7 +5,8 @@ Called in the producing process: the encoder (embeddings of one item per handle)
 per-layer KV tensors `layers.<i>.key` / `layers.<i>.value` of one request per handle).
 
 - `put(tensors)`: copy tensors into one slot, return a NIXL handle. `reserve(specs)` + fill +
-  `publish()` lets a model write straight into the slot instead.
+  `publish()` lets a model write straight into the slot instead. Each slot starts with a lease
+  stamp (libs/transfer/stamp.py) that consumers check; the tensors follow it.
 - `put_inline(tensors)`: the same handle shape with the bytes inside it (TRANSPORT_KIND_INLINE),
   bounded by `inline_max_bytes`; nothing is held.
 - `release(lease_ids)`: what `LeaseService.ReleaseLeases` calls.
@@ -29,6 +30,8 @@ from libs.transfer.errors import InlineTooLarge, SpecMismatch
 from libs.transfer.handles import crc32, expiry_timestamp, make_spec, packed_offsets, view_tensor
 from libs.transfer.leases import Completion, Lease, LeaseStats, LeaseTable
 from libs.transfer.pool import Slot
+from libs.transfer.stamp import STAMP_BYTES
+from libs.transfer.stamp import write as write_stamp
 
 # name -> (shape, dtype) of a tensor to reserve.
 TensorSpecs = Mapping[str, tuple[Sequence[int], torch.dtype]]
@@ -89,8 +92,8 @@ class TensorProducer:
             raise SpecMismatch("a handle needs at least one tensor")
         protos = {name: make_spec(shape, dtype) for name, (shape, dtype) in specs.items()}
         offsets, total = packed_offsets([spec.nbytes for spec in protos.values()])
-        slot = self.agent.pool.allocate(total)
-        return Reservation(self, slot, protos, offsets)
+        slot = self.agent.pool.allocate(STAMP_BYTES + total)
+        return Reservation(self, slot, protos, [STAMP_BYTES + offset for offset in offsets])
 
     def put(self, tensors: Mapping[str, torch.Tensor], *, ttl_s: float | None = None) -> tensor_pb2.TensorHandle:
         """Copy `tensors` into one slot and return their NIXL handle (one lease)."""
@@ -137,6 +140,7 @@ class TensorProducer:
             lease_expire_time=expiry_timestamp(ttl),
         )
         buffer = self.agent.pool.buffer
+        write_stamp(memoryview(buffer)[slot.offset : slot.offset + STAMP_BYTES], handle.lease_id)
         for (name, spec), offset in zip(specs.items(), offsets, strict=True):
             desc = handle.tensors.add(name=name, spec=spec)
             if spec.nbytes:

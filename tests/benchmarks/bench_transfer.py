@@ -223,7 +223,9 @@ def main() -> None:
     server.start()
     try:
         port = server_conn.recv()
-        config = TransferConfig(pool_bytes=pool_bytes, inline_max_bytes=pool_bytes, transfer_timeout_s=30)
+        config = TransferConfig(
+            pool_bytes=pool_bytes, inline_max_bytes=pool_bytes, transfer_timeout_s=30, accept_inline=True
+        )
         with TransferAgent(config) as agent, grpc.insecure_channel(f"127.0.0.1:{port}", options=_UNLIMITED) as channel:
             consumer = TensorConsumer(agent, lambda ref: peer.metadata)
             stub = channel.unary_unary(

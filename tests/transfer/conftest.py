@@ -42,7 +42,8 @@ def producer_peer() -> Iterator[PeerProcess]:
 
 @pytest.fixture(scope="session")
 def consumer_agent() -> Iterator[TransferAgent]:
-    agent = TransferAgent(TransferConfig(pool_bytes=300 * MiB, poison_freed=True))
+    # accept_inline: the inline transport's own tests run on this agent (refusal: test_lease_stamps).
+    agent = TransferAgent(TransferConfig(pool_bytes=300 * MiB, poison_freed=True, accept_inline=True))
     yield agent
     agent.close()
 
