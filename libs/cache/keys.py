@@ -2,7 +2,9 @@
 
 An entry is identified by the item's content hash (modality + processor options + bytes, the same
 digest as the engine's `media_hash`) inside a namespace that pins everything else the output depends
-on: the model (id, revision, encoder weights digest), the dtype and the contract major.minor.
+on: the model (id, revision, encoder weights digest), the dtype, the contract major.minor and the
+preprocessing (the encoder's `preprocessing_digest`: its algorithm version, the checkpoint's
+processor config files and the transformers version whose helpers it calls).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class Namespace:
     weights_digest: str
     dtype: str
     contract: str = f"{CONTRACT_MAJOR}.{CONTRACT_MINOR}"
+    # Same bytes and options give other tower inputs under another preprocessing (its code or the
+    # checkpoint's processor configs), so entries of one are never served for the other.
+    preprocessing: str = "unversioned"
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():

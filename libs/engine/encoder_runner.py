@@ -18,6 +18,25 @@ from libs.engine.families.base import PreparedItem
 from libs.engine.media.limits import MediaLimits
 from libs.engine.types import EmbeddingSpec, EncodedItem, ExtraTensorSpec, MediaInput, Modality, dtype_name
 
+# Bump when the project's preprocessing changes what an item turns into (cached outputs of the old
+# code must not be served): 2 = transformers-processor parity (docs/engine.md, "Preprocessing").
+PREPROCESSING_VERSION = 2
+# The files the family processors read their settings from (transformers' resolution order).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+
+
+def preprocessing_digest(checkpoint: Checkpoint) -> str:
+    """What, besides an item's bytes and options and the weights, fixes its tower inputs: the
+    preprocessing version, the checkpoint's processor config files, and the transformers version
+    (its `smart_resize`s and Whisper feature extractor run here)."""
+    import transformers
+
+    digest = hashlib.sha256(f"epd-preprocessing/{PREPROCESSING_VERSION}/{transformers.__version__}".encode())
+    for name in PROCESSOR_FILES:
+        file = checkpoint.path / name
+        digest.update(name.encode() + b"\0" + (file.read_bytes() if file.is_file() else b"-") + b"\0")
+    return digest.hexdigest()
+
 
 def media_hash(media: MediaInput) -> str:
     """Hex SHA-256 of the modality, the processor options and the bytes (the encoder-cache key)."""
@@ -43,6 +62,7 @@ class EncoderRunner:
         load_into(self.module, tensors, "encoder")
         self.module.to(dtype).eval()
         self.weights_digest = self.checkpoint.weights_digest()
+        self.preprocessing_digest = preprocessing_digest(self.checkpoint)
         self.specs = {m: self._measure_spec(m) for m in sorted(self.adapter.modalities, key=lambda m: m.value)}
 
     @property

@@ -96,7 +96,13 @@ def _cache(
     """The encoder-output cache: local LRU, in front of Mooncake Store when a master is configured."""
     if settings.cache_mib <= 0:
         return None, None
-    namespace = Namespace(identity.model_id, identity.revision, identity.weights_digest, dtype_name(runner.dtype))
+    namespace = Namespace(
+        identity.model_id,
+        identity.revision,
+        identity.weights_digest,
+        dtype_name(runner.dtype),
+        preprocessing=runner.preprocessing_digest,
+    )
     store = MooncakeStoreClient(StoreConfig(settings.cache_master)) if settings.cache_master else None
     config = CacheConfig(local_max_bytes=settings.cache_mib << 20)
     return EncoderCache(namespace, store=store, config=config, specs=runner.specs), store

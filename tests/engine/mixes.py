@@ -29,8 +29,33 @@ def _video() -> bytes:
 
 
 @cache
+def _capped_video() -> bytes:
+    # 10 s at 4 fps: 20 frames at 2 fps, capped by the tiny checkpoints' max_frames (8). The Omni
+    # processor's seconds per grid is then temporal patch / fps = 1.0, not the 2.5 s a patch spans.
+    return synthetic.video_bytes(128, 32, frames=40, fps=4, seed=7)
+
+
+@cache
+def _exif_jpeg() -> bytes:
+    # A JPEG whose EXIF orientation (6) turns it upright: landscape pixels, portrait image.
+    return media_set_case("exif_rotated_jpeg")
+
+
+@cache
 def _audio(seconds: float, seed: int) -> bytes:
     return synthetic.wav_bytes(seconds, seed=seed)
+
+
+@cache
+def _stereo_44k() -> bytes:
+    # Stereo at 44.1 kHz: channel average and soxr resampling to 16 kHz.
+    return synthetic.audio_bytes(1.2, seed=8, rate=44100, channels=2)
+
+
+def media_set_case(name: str) -> bytes:
+    from tests.engine.media_set import images
+
+    return next(c.data for c in images() if c.name == name)
 
 
 def mixes(modalities: frozenset[Modality]) -> list[Mix]:
@@ -46,6 +71,8 @@ def mixes(modalities: frozenset[Modality]) -> list[Mix]:
             ("first", 0, "second", 1, "which is red"),
         ),
         Mix("video", (MediaInput(Modality.VIDEO, _video()),), (0, "describe the video")),
+        Mix("video_capped", (MediaInput(Modality.VIDEO, _capped_video()),), ("what happens", 0)),
+        Mix("image_exif", (MediaInput(Modality.IMAGE, _exif_jpeg()),), (0, "which way is up")),
     ]
     if Modality.AUDIO in modalities:
         out += [
@@ -58,5 +85,6 @@ def mixes(modalities: frozenset[Modality]) -> list[Mix]:
                 ),
                 (0, 1, "does the sound fit the picture"),
             ),
+            Mix("audio_stereo_44k", (MediaInput(Modality.AUDIO, _stereo_44k()),), ("listen", 0)),
         ]
     return out

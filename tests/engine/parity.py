@@ -127,3 +127,46 @@ def compare(
         result.check("audio_features", prepared.inputs["input_features"], ref["input_features"][0, :, :length])
     result.check("prompt_ids", project_prompt(tokenizer, adapter, prepared), ref["input_ids"][0].tolist())
     return result
+
+
+def table() -> list[Comparison]:
+    from libs.engine.checkpoints import ensure_checkpoint
+    from libs.engine.encoder_runner import EncoderRunner
+    from libs.engine.lm_runtime import LanguageModelRuntime
+    from tests.engine import media_set
+
+    rows = []
+    for family in ("qwen2_5_omni", "qwen2_5_vl", "qwen3_vl"):
+        path = ensure_checkpoint(family, "tiny")
+        adapter, tokenizer = EncoderRunner(path).adapter, LanguageModelRuntime(path).tokenizer
+        pools = [(Modality.IMAGE, media_set.images()), (Modality.VIDEO, media_set.videos())]
+        if family == "qwen2_5_omni":
+            pools.append((Modality.AUDIO, media_set.audios()))
+        for modality, cases in pools:
+            for case in cases:
+                rows.append(compare(family, path, adapter, tokenizer, modality, case.name, case.data, case.suffix))
+    return rows
+
+
+def main() -> None:
+    import transformers
+
+    from tests.engine.hf_reference import processor_kind
+
+    rows = table()
+    print(f"reference: {processor_kind(Path('.'))}; transformers {transformers.__version__}\n")
+    print("| family | modality | case | result | fields compared | max abs diff (floats) | note |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.error:
+            result, fields, diff = "both refuse", "-", "-"
+        else:
+            result = "equal" if r.equal else "NOT EQUAL: " + ", ".join(k for k, (ok, _) in r.fields.items() if not ok)
+            fields = ", ".join(r.fields)
+            diffs = [d for _, d in r.fields.values() if d is not None]
+            diff = f"{max(diffs):.3g}" if diffs else "-"
+        print(f"| {r.family} | {r.modality} | {r.case} | {result} | {fields} | {diff} | {r.note or r.error or ''} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,10 @@
-"""The colocated reference: the transformers model class with all weights, and its own generate()."""
+"""The colocated reference: the transformers model class with all weights and its own generate(),
+fed by the family's own transformers processor (`hf_reference.py`)."""
 
 from __future__ import annotations
 
+import itertools
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -9,8 +12,8 @@ from transformers import GenerationConfig
 
 from libs.engine.checkpoint import Checkpoint
 from libs.engine.families import adapter_for
-from libs.engine.families.base import PreparedItem
-from libs.engine.types import Modality
+from tests.engine.hf_reference import RefItem, reference_batch
+from tests.engine.mixes import Mix
 
 
 def load_reference(model_path: str) -> Any:
@@ -52,48 +55,96 @@ def load_reference(model_path: str) -> Any:
     assert not result.missing_keys and not result.unexpected_keys, result
     # As from_pretrained would: stop on the checkpoint's end-of-sequence ids, like the runners do.
     model.generation_config = GenerationConfig.from_pretrained(model_path)
+    return use_trained_mrope(model) if family == "qwen2_5_vl" else model
+
+
+# What the family processors return that generate() takes (the rest, e.g. video_metadata, is not an input).
+MODEL_INPUTS = (
+    "input_ids",
+    "attention_mask",
+    "mm_token_type_ids",
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+    "video_second_per_grid",
+    "input_features",
+    "feature_attention_mask",
+)
+
+
+def media_suffix(data: bytes) -> str:
+    """File extension for the path-based reference loaders (they pick a decoder by it)."""
+    if data[4:8] == b"ftyp":
+        return "mp4"
+    if data[:4] == b"RIFF":
+        return "wav"
+    if data[:4] == b"fLaC":
+        return "flac"
+    if data[:4] == b"OggS":
+        return "ogg"
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpg"
+    return "png"
+
+
+def reference_inputs(model_path: str | Path, mix: Mix) -> dict[str, Any]:
+    """generate() kwargs for a mix, made by the family's own transformers processor from the media
+    bytes and the tokenizer's chat template (`hf_reference.reference_batch`), not by the project."""
+    parts = [
+        part
+        if isinstance(part, str)
+        else RefItem(
+            mix.media[part].modality, mix.media[part].data, media_suffix(mix.media[part].data), mix.media[part].options
+        )
+        for part in mix.parts
+    ]
+    batch = reference_batch(Path(model_path), parts)
+    return {name: batch[name] for name in MODEL_INPUTS if name in batch}
+
+
+def use_trained_mrope(model: Any) -> Any:
+    """Qwen2.5-VL: text after a vision item resumes at the item's largest position + 1, as in the
+    original implementation (transformers 4.x `get_rope_index`, vLLM), not at start + max(merged h,
+    merged w) as transformers 5.x does (docs/engine.md, "Preprocessing decisions"). Vision positions
+    themselves are 5.x's own `get_vision_position_ids`. Batch of one, no padding (as the tests use)."""
+    inner = model.model
+    vision = model.config.vision_config
+
+    def get_rope_index(
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor,
+        image_grid_thw: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert input_ids.shape[0] == 1 and (attention_mask is None or bool(attention_mask.all()))
+        grids = {
+            1: iter(image_grid_thw if image_grid_thw is not None else []),
+            2: iter(video_grid_thw if video_grid_thw is not None else []),
+        }
+        seconds = iter(second_per_grid_ts if second_per_grid_ts is not None else [])
+        pieces, current = [], 0
+        for kind, group in itertools.groupby(mm_token_type_ids[0].tolist()):
+            count = len(list(group))
+            if kind == 0:
+                pieces.append(torch.arange(count).view(1, -1).expand(3, -1) + current)
+                current += count
+                continue
+            interval = vision.tokens_per_second * next(seconds, 1) if kind == 2 else 1
+            positions = inner.get_vision_position_ids(
+                current, next(grids[kind]), 1, vision.spatial_merge_size, interval
+            )
+            pieces.append(positions)
+            current = int(positions.max()) + 1
+        ids = torch.cat(pieces, dim=1).view(3, 1, -1)
+        return ids, torch.tensor([[int(ids.max()) + 1 - input_ids.shape[1]]])
+
+    inner.get_rope_index = get_rope_index
     return model
-
-
-def reference_inputs(input_ids: list[int], prepared: list[PreparedItem], model: Any = None) -> dict[str, Any]:
-    """generate() kwargs from our prompt ids and the preprocessed items (in prompt order), named as
-    `model`'s class wants them (no model: the Omni thinker's names)."""
-    ids = torch.tensor([input_ids])
-    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones(1, len(input_ids), dtype=torch.long)}
-    model_type = model.config.model_type if model is not None else "qwen2_5_omni"
-    if model_type in ("qwen2_5_vl", "qwen3_vl"):
-        # What the processors return next to input_ids: 1 on image rows, 2 on video rows.
-        cfg = model.config
-        kwargs["mm_token_type_ids"] = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
-    images = [p for p in prepared if p.layout.modality is Modality.IMAGE]
-    videos = [p for p in prepared if p.layout.modality is Modality.VIDEO]
-    audios = [p for p in prepared if p.layout.modality is Modality.AUDIO]
-    if images:
-        kwargs["pixel_values"] = torch.cat([p.inputs["pixel_values"] for p in images])
-        kwargs["image_grid_thw"] = torch.tensor(
-            [[p.layout.image.grid_t, p.layout.image.grid_h, p.layout.image.grid_w] for p in images if p.layout.image]
-        )
-    if videos:
-        kwargs["pixel_values_videos"] = torch.cat([p.inputs["pixel_values"] for p in videos])
-        kwargs["video_grid_thw"] = torch.tensor(
-            [[p.layout.video.grid_t, p.layout.video.grid_h, p.layout.video.grid_w] for p in videos if p.layout.video]
-        )
-        seconds = torch.tensor([p.layout.video.seconds_per_grid for p in videos if p.layout.video])
-        if model_type == "qwen2_5_vl":
-            kwargs["second_per_grid_ts"] = seconds
-        elif model_type != "qwen3_vl":  # Qwen3-VL takes time from the timestamp text instead
-            kwargs["video_second_per_grid"] = seconds
-    if audios:
-        width = max(p.inputs["input_features"].shape[1] for p in audios)
-        feats = torch.zeros(len(audios), audios[0].inputs["input_features"].shape[0], width)
-        mask = torch.zeros(len(audios), width, dtype=torch.long)
-        for i, p in enumerate(audios):
-            n = p.inputs["input_features"].shape[1]
-            feats[i, :, :n] = p.inputs["input_features"]
-            mask[i, :n] = 1
-        kwargs["input_features"] = feats
-        kwargs["feature_attention_mask"] = mask
-    return kwargs
 
 
 def reference_generate(model: Any, kwargs: dict[str, Any], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:

@@ -86,11 +86,13 @@ def _run_family(stages: dict[str, StageProcess], model: str, mixes: list[Mix]) -
 def reference_for(
     model: Any, runtime: LanguageModelRuntime, encoder_adapter: Any, mix: Mix, layouts: list[dict[str, Any]]
 ) -> tuple[list[int], list[torch.Tensor]]:
-    """The colocated model's greedy tokens and per-step logits for one mix."""
+    """The colocated model's greedy tokens and per-step logits for one mix, its inputs made by the
+    family's transformers processor. The project's prompt for the mix must be the processor's."""
     prepared = [encoder_adapter.preprocess(m, media_hash(m), MediaLimits()) for m in mix.media]
+    assert [p.layout for p in prepared] == [wire.layout_from_dict(d) for d in layouts]
     items = [EncodedItem(p.layout, {"embeddings": torch.zeros(p.layout.placeholder_token_count, 1)}) for p in prepared]
     parts = tuple(TextPart(p) if isinstance(p, str) else EncodedPart(items[p]) for p in mix.parts)
     prompt = build_prompt(runtime.tokenizer, runtime.adapter, [ChatMessage(ChatRole.USER, parts)])
-    order = [prepared[next(i for i, it in enumerate(items) if it is e)] for e in prompt.encoded]
-    assert [p.layout for p in prepared] == [wire.layout_from_dict(d) for d in layouts]
-    return reference_generate(model, reference_inputs(prompt.input_ids, order, model), MAX_TOKENS)
+    kwargs = reference_inputs(runtime.checkpoint.path, mix)
+    assert prompt.input_ids == kwargs["input_ids"][0].tolist(), f"{mix.name}: prompt ids differ from the processor's"
+    return reference_generate(model, kwargs, MAX_TOKENS)

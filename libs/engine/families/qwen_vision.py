@@ -136,13 +136,13 @@ def vision_position_offsets(
     return torch.stack([t, h, w])
 
 
-def build_mrope(
-    input_len: int, spans: list[tuple[int, torch.Tensor]], *, spatial_advance: bool = False
-) -> tuple[torch.Tensor, int]:
+def build_mrope(input_len: int, spans: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, int]:
     """Positions [3, input_len]: text advances by one; an item at `start` with offsets [3, n] sits at
-    next_position + offsets. Text after it resumes at the item's max + 1, or, with `spatial_advance`
-    (transformers-5 Qwen2.5-VL / Qwen3-VL), at next_position + max(merged h, merged w), whatever the
-    temporal extent. Returns (positions, rope_delta = max position + 1 - input_len)."""
+    next_position + offsets, and text after it resumes at the item's largest position + 1 (the
+    original Qwen implementations and vLLM; transformers 5.x resumes Qwen2.5-VL / Qwen3-VL text at
+    next_position + max(merged h, merged w), which differs only for a video whose temporal positions
+    outrun its spatial size: docs/engine.md, "Preprocessing decisions").
+    Returns (positions, rope_delta = max position + 1 - input_len)."""
     pieces: list[torch.Tensor] = []
     cursor = 0
     next_pos = 0
@@ -152,7 +152,7 @@ def build_mrope(
             next_pos += start - cursor
         placed = offsets + next_pos
         pieces.append(placed)
-        next_pos = next_pos + int(offsets[1:].max()) + 1 if spatial_advance else int(placed.max()) + 1
+        next_pos = int(placed.max()) + 1
         cursor = start + offsets.shape[1]
     if cursor < input_len:
         pieces.append(torch.arange(next_pos, next_pos + input_len - cursor).view(1, -1).expand(3, -1))

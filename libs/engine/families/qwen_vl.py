@@ -1,6 +1,6 @@
 """What Qwen2.5-VL and Qwen3-VL share: one vision tower for images and video, a decoder-only
 language model, hub and transformers-5 tensor names, and M-RoPE where text after a vision item
-resumes at its start + max(merged h, merged w) (transformers-5 `get_rope_index`)."""
+resumes at its largest position + 1 (the original implementation and vLLM; `build_mrope`)."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ class QwenVLAdapter(FamilyAdapter):
 
     def position_ids(self, input_ids: list[int], items: list[PlacedItem]) -> tuple[torch.Tensor, int]:
         spans = [span for placed in items for span in self.mrope_spans(placed)]
-        return build_mrope(len(input_ids), spans, spatial_advance=True)
+        return build_mrope(len(input_ids), spans)
 
     def lm_kwargs(self, extras: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         """Extra keyword arguments for the text model's forward (deepstack); default none."""
