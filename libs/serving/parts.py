@@ -3,13 +3,13 @@ leases when it produces tensors, drain on shutdown, engine and transport clean-u
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from libs.contract.epd.v1 import service_info_pb2
 from libs.rpc.admission import Admission
 from libs.rpc.drain import drainer
-from libs.rpc.main import Register, ServiceParts
+from libs.rpc.main import HealthSetter, Register, ServiceParts
 from libs.serving.engine_loop import EngineThread
 from libs.serving.servicers import lease_servicer, stats_servicer
 from libs.serving.transport import Transport
@@ -21,11 +21,13 @@ def model_service_parts(
     admission: Admission,
     other_lanes: Sequence[Admission] = (),
     info: service_info_pb2.ServiceInfo,
-    engine: EngineThread,
+    engine: EngineThread | None,
     transport: Transport | None = None,
     active_sequences: Callable[[], int] = lambda: 0,
     on_close: Callable[[], None] = lambda: None,
+    on_close_async: Callable[[], Awaitable[None]] | None = None,
     on_listening: Callable[[str], object] | None = None,
+    health: Callable[[HealthSetter], None] | None = None,
 ) -> ServiceParts:
     servicers = [servicer]
     if transport is not None and transport.produces:
@@ -37,7 +39,10 @@ def model_service_parts(
 
     async def close() -> None:
         on_close()
-        engine.shutdown()
+        if on_close_async is not None:
+            await on_close_async()
+        if engine is not None:
+            engine.shutdown()
         if transport is not None:
             transport.close()
 
@@ -47,6 +52,7 @@ def model_service_parts(
         close=close,
         drain=drainer(*lanes, held_leases=transport.held_leases if transport is not None else lambda: 0),
         on_started=lambda address: _started(address, transport, on_listening),
+        health=health,
     )
 
 

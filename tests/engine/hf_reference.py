@@ -82,9 +82,10 @@ def _tokenizer(path: Path) -> Any:
 
 
 @cache
-def reference_processor(path: Path) -> Any:
+def reference_processor(path: Path, *, transcribed: bool = False) -> Any:
+    """`transcribed`: the stand-in even when torchvision imports (to check it against the real one)."""
     tokenizer = _tokenizer(path)
-    if torchvision_ready():
+    if torchvision_ready() and not transcribed:
         from transformers import AutoProcessor
 
         return AutoProcessor.from_pretrained(str(path), tokenizer=tokenizer)

@@ -19,8 +19,10 @@ from tests.engine.hf_reference import (
     RefItem,
     processor_composites_alpha,
     reference_batch,
+    reference_image,
     reference_image_raw,
     reference_processor,
+    reference_video,
     torchvision_ready,
 )
 from tests.engine.hf_transcription import TranscribedQwen2VLImageProcessor, TranscribedVideoProcessor
@@ -116,3 +118,24 @@ def test_documented_departures_are_real(engines: Callable[[str], Engines]) -> No
     raw_pixels = processor.image_processor(images=[reference_image_raw(rgba.data)], return_tensors="pt")
     # 5.23 composites alpha onto white as the project does; 5.19 drops the alpha band.
     assert torch.equal(raw_pixels["pixel_values"], project.inputs["pixel_values"]) is processor_composites_alpha()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torchvision_ready(), reason="needs the real torchvision processors to compare with")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transcription_equals_the_real_processors(engines: Callable[[str], Engines], family: str) -> None:
+    """The stand-ins used where torchvision does not import produce the real classes' outputs."""
+    path = engines(family).path
+    real, stand_in = reference_processor(path), reference_processor(path, transcribed=True)
+    for case in (*media_set.images()[:4], *media_set.images()[7:9]):
+        image = [reference_image(case.data)]
+        a, b = real.image_processor(images=image, return_tensors="pt"), stand_in.image_processor(images=image)
+        assert torch.equal(a["pixel_values"], b["pixel_values"]), case.name
+        assert torch.equal(a["image_grid_thw"], b["image_grid_thw"]), case.name
+    for case in media_set.videos():
+        frames, meta = reference_video(case.data, case.suffix)
+        kwargs = {"video_metadata": [meta], "do_sample_frames": True, "fps": 2.0, "return_metadata": True}
+        a, b = real.video_processor([frames], **kwargs), stand_in.video_processor([frames], **kwargs)
+        assert torch.equal(a["pixel_values_videos"], b["pixel_values_videos"]), case.name
+        assert torch.equal(a["video_grid_thw"], b["video_grid_thw"]), case.name
+        assert list(a["video_metadata"][0].frames_indices) == list(b["video_metadata"][0].frames_indices)
