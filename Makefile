@@ -61,8 +61,10 @@ lint: deps ## ruff, mypy (strict) and the import layering contracts
 test: deps proto-check lint ## the whole suite (what CI runs)
 	$(PY) -m pytest
 
+# make run ENGINE=vllm: the PD service on vLLM (E+PD layout; ~1 min more to start, ~1.5 GB more memory)
+ENGINE ?= reference
 run: deps models ## the main job: E/P/D stack (2 encoders, shared encoder cache) on loopback, sample requests, timings, clean stop
-	$(BIN)/epd demo --layout e/p/d --encoders 2 --cache-store
+	$(BIN)/epd demo --layout $(if $(filter vllm,$(ENGINE)),e+pd,e/p/d) --engine $(ENGINE) --encoders 2 --cache-store
 
 MODEL_DIR := var/models/qwen2_5_omni-tiny
 

@@ -1,5 +1,6 @@
-"""Prefill-decode core (E+PD layout): a metadata-only request -> embeddings read from the encoders
--> prefill and decode in this process, no KV transfer; tokens are streamed."""
+"""Prefill-decode core (E+PD layout): a metadata-only request -> its engine (reference runtime or
+vLLM) reads the embeddings from the encoders, prefills and decodes in this service, no KV
+transfer; tokens are streamed."""
 
 from __future__ import annotations
 
@@ -7,26 +8,12 @@ from collections.abc import AsyncIterator
 
 from libs.contract.epd.v1 import prefill_decode_pb2
 from libs.contract.validation import Limits, validate_prefill_decode_request
-from libs.engine.prefill_runner import PrefillRunner
+from libs.engines.api import PrefillDecodeEngine
 from libs.serving import convert
-from libs.serving.engine_loop import DecodeLoop, EngineThread
-from libs.serving.generation import fetch_and_prefill, stream_after_prefill
-from libs.serving.transport import Transport
 
 
 class PrefillDecodeCore:
-    def __init__(
-        self,
-        runner: PrefillRunner,
-        loop: DecodeLoop,
-        transport: Transport,
-        engine: EngineThread,
-        *,
-        limits: Limits | None = None,
-    ) -> None:
-        self.runner = runner
-        self.loop = loop
-        self.transport = transport
+    def __init__(self, engine: PrefillDecodeEngine, *, limits: Limits | None = None) -> None:
         self.engine = engine
         self.limits = limits or Limits()
 
@@ -35,8 +22,7 @@ class PrefillDecodeCore:
     ) -> AsyncIterator[prefill_decode_pb2.PrefillDecodeResponse]:
         validate_prefill_decode_request(request, self.limits)
         sampling = convert.sampling_to_engine(request.sampling)
-        result = await fetch_and_prefill(self.engine, self.runner, self.transport, request.messages, sampling, deadline)
-        async for chunk, usage in stream_after_prefill(self.loop, request.request_id, result, sampling):
+        async for chunk, usage in self.engine.generate(request.request_id, request.messages, sampling, deadline):
             response = prefill_decode_pb2.PrefillDecodeResponse(chunk=chunk)
             if usage is not None:
                 response.usage.CopyFrom(usage)

@@ -1,4 +1,5 @@
-"""gRPC adapter of the PD service: `PrefillDecodeService` (+ stats) over `PrefillDecodeCore`."""
+"""gRPC adapter of the PD service: `PrefillDecodeService` (+ stats) over `PrefillDecodeCore`, on the
+engine chosen with `--engine` (reference runtime or vLLM)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,19 @@ from typing import Any
 import torch
 
 from libs.contract.epd.v1 import prefill_decode_pb2, prefill_decode_pb2_grpc, service_info_pb2
-from libs.engine.decode_runner import DecodeRunner
-from libs.engine.lm_runtime import LanguageModelRuntime
-from libs.engine.prefill_runner import PrefillRunner
+from libs.engines.api import PrefillDecodeEngine, engine_capabilities
+from libs.engines.settings import EngineSettings
+from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
-from libs.serving.engine_loop import DecodeLoop, EngineThread
 from libs.serving.identity import model_identity, service_info
 from libs.serving.parts import model_service_parts
-from libs.serving.settings import ModelServiceSettings
 from libs.serving.transport import Transport, transfer_config
 from services.pd.core import PrefillDecodeCore
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillDecodeSettings(ModelServiceSettings):
+class PrefillDecodeSettings(EngineSettings):
     """PD: metadata-only requests -> prefill and decode in one process (E+PD layout)."""
 
 
@@ -40,24 +39,42 @@ class PrefillDecodeServicer(prefill_decode_pb2_grpc.PrefillDecodeServiceServicer
                 yield response
 
 
-async def setup(settings: PrefillDecodeSettings) -> ServiceParts:
+async def _engine(settings: PrefillDecodeSettings) -> tuple[PrefillDecodeEngine, Transport | None]:
+    if settings.engine == "vllm":
+        from libs.engines.vllm.pd import VllmPrefillDecode  # imports vLLM (~15 s): only when chosen
+
+        return await VllmPrefillDecode.start(settings), None
+    from libs.engine.lm_runtime import LanguageModelRuntime
+    from libs.engines.reference.pd import ReferencePrefillDecode
+
     torch.set_num_threads(settings.torch_threads)
     runtime = LanguageModelRuntime(settings.model)
+    # The reference engine reads the embeddings with this process's transport.
     identity = model_identity(settings, runtime.weights_digest)
     transport = Transport(transfer_config(settings, "pd"), identity, produce=False, consume=True)
-    engine = EngineThread("pd")
-    loop = DecodeLoop(DecodeRunner(runtime, max_batch=settings.max_batch), engine)
+    return ReferencePrefillDecode(runtime, transport, max_batch=settings.max_batch), transport
+
+
+async def setup(settings: PrefillDecodeSettings) -> ServiceParts:
+    engine, transport = await _engine(settings)
+    identity = model_identity(settings, engine.weights_digest)
     admission = Admission("pd", min(settings.max_running, settings.max_batch), settings.max_waiting)
-    servicer = PrefillDecodeServicer(PrefillDecodeCore(PrefillRunner(runtime), loop, transport, engine), admission)
+    servicer = PrefillDecodeServicer(PrefillDecodeCore(engine), admission)
     return model_service_parts(
         (prefill_decode_pb2_grpc.add_PrefillDecodeServiceServicer_to_server, servicer, "epd.v1.PrefillDecodeService"),
         admission=admission,
         info=service_info(
-            service_info_pb2.SERVICE_ROLE_PREFILL_DECODE, identity, runtime.expected_specs(), transport.transport_info()
+            service_info_pb2.SERVICE_ROLE_PREFILL_DECODE,
+            identity,
+            engine.expected_specs(),
+            transport.transport_info() if transport is not None else (),
+            capabilities=engine_capabilities(settings.engine, (ADMISSION_PRIORITY,)),
         ),
-        engine=engine,
+        engine=None,
         transport=transport,
-        active_sequences=lambda: loop.active,
+        active_sequences=lambda: engine.active,
+        on_close_async=engine.close,
+        health=getattr(engine, "watch_health", None),
     )
 
 

@@ -1,0 +1,72 @@
+"""What a model service sees of its engine, whichever it is.
+
+A service picks its engine with `--engine reference|vllm` (`EPD_ENGINE`) and advertises it in
+`ServiceInfo.capabilities` as `engine.<name>`, so a peer checks at first contact that it can hand
+over to it (embeddings are engine-neutral; a KV cache is not: its layout is the engine's).
+
+The prefill-decode role (E+PD layout) is the unit both engines implement: a metadata-only
+conversation in (media parts are `encoded` references to encoder-held embeddings), the token
+stream out. Where the embeddings are read (the service's own transport for the reference engine,
+the vLLM worker's EC connector for vLLM) is the engine's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Protocol
+
+from libs.contract.epd.v1 import chat_pb2, generation_pb2, service_info_pb2
+from libs.engine import types as eng
+
+ENGINES = ("reference", "vllm")
+CAPABILITY_PREFIX = "engine."
+
+# One streamed message: the chunk, and usage on the last one.
+Streamed = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
+
+
+def capability(engine: str) -> str:
+    """The capability string a service running `engine` advertises."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
+    return CAPABILITY_PREFIX + engine
+
+
+def engine_of(info: service_info_pb2.ServiceInfo) -> str:
+    """The engine a peer advertises; peers from before engines were advertised ran the reference."""
+    names = [c.removeprefix(CAPABILITY_PREFIX) for c in info.capabilities if c.startswith(CAPABILITY_PREFIX)]
+    return names[0] if names else "reference"
+
+
+def engine_capabilities(engine: str, others: Iterable[str]) -> list[str]:
+    return [*others, capability(engine)]
+
+
+class PrefillDecodeEngine(Protocol):
+    """Prefill + decode of metadata-only requests in one service (the PD role)."""
+
+    name: str  # "reference" | "vllm"
+    weights_digest: str  # the checkpoint digest every role advertises
+
+    def expected_specs(self) -> list[eng.EmbeddingSpec]:
+        """Per-modality embeddings this engine consumes (checked against the encoders' specs)."""
+        ...
+
+    @property
+    def active(self) -> int:
+        """Sequences being generated."""
+        ...
+
+    def generate(
+        self,
+        request_id: str,
+        messages: Sequence[chat_pb2.ChatMessage],
+        sampling: eng.SamplingParams,
+        deadline: float | None,
+    ) -> AsyncIterator[Streamed]:
+        """Stream the reply; typed contract errors for bad input, a gone embedding, a dead engine."""
+        ...
+
+    async def close(self) -> None:
+        """Stop the engine and free what it holds."""
+        ...

@@ -1,0 +1,51 @@
+"""Prefill + decode on the reference runtime: embeddings read over the service's own transport,
+prefill on the engine thread, then the shared batched decode loop."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+from libs.contract.epd.v1 import chat_pb2
+from libs.engine import types as eng
+from libs.engine.decode_runner import DecodeRunner
+from libs.engine.lm_runtime import LanguageModelRuntime
+from libs.engine.prefill_runner import PrefillRunner
+from libs.engines.api import Streamed
+from libs.serving.engine_loop import DecodeLoop, EngineThread
+from libs.serving.generation import fetch_and_prefill, stream_after_prefill
+from libs.serving.transport import Transport
+
+
+class ReferencePrefillDecode:
+    """`PrefillDecodeEngine` on libs/engine."""
+
+    name = "reference"
+
+    def __init__(self, runtime: LanguageModelRuntime, transport: Transport, *, max_batch: int) -> None:
+        self.runtime = runtime
+        self.weights_digest = self.runtime.weights_digest
+        self.thread = EngineThread("pd")
+        self.runner = PrefillRunner(self.runtime)
+        self.loop = DecodeLoop(DecodeRunner(self.runtime, max_batch=max_batch), self.thread)
+        self._transport = transport
+
+    def expected_specs(self) -> list[eng.EmbeddingSpec]:
+        return self.runtime.expected_specs()
+
+    @property
+    def active(self) -> int:
+        return self.loop.active
+
+    async def generate(
+        self,
+        request_id: str,
+        messages: Sequence[chat_pb2.ChatMessage],
+        sampling: eng.SamplingParams,
+        deadline: float | None,
+    ) -> AsyncIterator[Streamed]:
+        result = await fetch_and_prefill(self.thread, self.runner, self._transport, messages, sampling, deadline)
+        async for item in stream_after_prefill(self.loop, request_id, result, sampling):
+            yield item
+
+    async def close(self) -> None:
+        self.thread.shutdown()

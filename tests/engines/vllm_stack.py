@@ -1,0 +1,72 @@
+"""Shared parts of the vLLM engine tests: request mixes, the reference runtime's tokens for them,
+and calls through a running stack."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from libs.client.generate import GenerationResult, build_request, generate, open_channel
+from libs.contract.epd.v1 import media_pb2, sampling_pb2
+from libs.engine import types as eng
+from libs.engine.decode_runner import DecodeRunner
+from libs.engine.encoder_runner import EncoderRunner
+from libs.engine.lm_runtime import LanguageModelRuntime
+from libs.engine.media import synthetic
+from libs.engine.prefill_runner import PrefillRunner
+
+TOKENS = 8
+PROMPT = "Describe what you see and hear."
+
+
+@dataclass(frozen=True)
+class Mix:
+    name: str
+    media: tuple[tuple[media_pb2.Modality.ValueType, bytes], ...]
+
+
+def mixes(family: str) -> list[Mix]:
+    image = (media_pb2.MODALITY_IMAGE, synthetic.png_bytes(112, 84, seed=1))
+    other = (media_pb2.MODALITY_IMAGE, synthetic.png_bytes(56, 84, seed=2))
+    video = (media_pb2.MODALITY_VIDEO, synthetic.video_bytes(112, 84, frames=8, fps=4, seed=3))
+    audio = (media_pb2.MODALITY_AUDIO, synthetic.wav_bytes(2.0, seed=4))
+    out = [Mix("text", ()), Mix("image", (image,)), Mix("two_images", (image, other)), Mix("video", (video,))]
+    if family == "qwen2_5_omni":
+        out.append(Mix("audio", (audio,)))
+    return out
+
+
+def request(mix: Mix, *, max_tokens: int = TOKENS, request_id: str = "") -> object:
+    items = [media_pb2.MediaItem(modality=modality, data=data) for modality, data in mix.media]
+    sampling = sampling_pb2.SamplingParams(max_tokens=max_tokens)
+    return build_request(PROMPT, items, sampling=sampling, request_id=request_id)
+
+
+def reference_tokens(model: Path, mix: Mix, max_tokens: int = TOKENS) -> list[int]:
+    """The reference runtime's greedy tokens for `mix` (staged, in this process)."""
+    encoder = EncoderRunner(model)
+    runtime = LanguageModelRuntime(model)
+    modality = {media_pb2.MODALITY_IMAGE: eng.Modality.IMAGE, media_pb2.MODALITY_VIDEO: eng.Modality.VIDEO,
+                media_pb2.MODALITY_AUDIO: eng.Modality.AUDIO}  # fmt: skip
+    media = [eng.MediaInput(modality[m], data, item_index=i) for i, (m, data) in enumerate(mix.media)]
+    items = encoder.encode(media) if media else []
+    parts = (*(eng.EncodedPart(item) for item in items), eng.TextPart(PROMPT))
+    sampling = eng.SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    result = PrefillRunner(runtime).prefill([eng.ChatMessage(eng.ChatRole.USER, parts)], sampling)
+    tokens = list(result.first_chunk.token_ids)
+    if result.kv_cache is not None:
+        decode = DecodeRunner(runtime, max_batch=1)
+        decode.add("r", result.kv_cache, result.decode_state, sampling)
+        while decode.active_ids:
+            for chunk, _ in decode.step().values():
+                tokens += chunk.token_ids
+    return tokens
+
+
+def call(address: str, req: object, timeout_s: float = 120.0) -> GenerationResult:
+    async def run() -> GenerationResult:
+        async with open_channel(address) as channel:
+            return await generate(channel, req, timeout_s=timeout_s)  # type: ignore[arg-type]
+
+    return asyncio.run(run())
