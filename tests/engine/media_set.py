@@ -1,9 +1,9 @@
 """The varied media the parity tests run on, generated here (nothing is downloaded).
 
 Images: odd and extreme sizes and aspect ratios, grayscale, 1-bit, RGBA, LA, palette with and
-without transparency, CMYK JPEG, EXIF-rotated JPEG, 16-bit grayscale PNG. Audio: mono, stereo and
-5.1 at 8 / 16 / 22.05 / 44.1 / 48 kHz, short and long, WAV / FLAC / OGG / MP3. Video: odd frame
-rates (7, 12.5, 29.97, 60 fps), short and long clips (frame caps hit), odd frame sizes.
+without transparency, CMYK JPEG, EXIF-rotated JPEG, 16-bit grayscale PNG. Audio: stereo and 5.1
+at 8 / 22.05 / 44.1 / 48 kHz, mono at 16 / 22.05 kHz, short and long, WAV / FLAC / OGG / MP3.
+Video: odd frame rates (7, 12.5, 29.97, 60 fps), short and long clips (frame caps hit), odd sizes.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ class MediaLimits:
     max_video_frames: int = 768  # sampled frames
     max_video_seconds: float = 600.0
     max_video_source_pixels: int = 8_294_400  # per frame (4K UHD)
+    # Frames decoded to reach the sampled ones are work too: 600 s at 120 fps.
+    max_video_source_frames: int = 72_000
     max_audio_seconds: float = 30.0  # the Whisper-style feature extractor covers 30 s
     # Decoded audio is channels x rate x seconds floats: bound the first two from the header too
     # (a small FLAC of silence can declare hundreds of channels).

@@ -84,6 +84,8 @@ def _source(container: Any, data: bytes, limits: MediaLimits) -> VideoSource:
     if total <= 0:
         raise InvalidMediaError("video has no frames", field="media.data")
     source = VideoSource(total_frames=total, fps=fps, width=width, height=height)
+    if total > limits.max_video_source_frames:
+        raise MediaLimitError(f"video has {total} frames, limit {limits.max_video_source_frames}", field="media.data")
     if source.duration_s > limits.max_video_seconds:
         raise MediaLimitError(
             f"video is {source.duration_s:.1f} s, limit {limits.max_video_seconds} s", field="media.data"
