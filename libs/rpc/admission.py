@@ -11,6 +11,7 @@ queueing without bound.
 from __future__ import annotations
 
 import asyncio
+import gc
 import heapq
 import itertools
 import time
@@ -104,11 +105,24 @@ def deadline_of(time_remaining: float | None) -> float | None:
     return None if time_remaining is None else time.monotonic() + time_remaining
 
 
+# A request this large is followed by a garbage collection (see `admitted`), in bytes.
+LARGE_REQUEST_BYTES = 8 << 20
+
+
 @asynccontextmanager
 async def admitted(admission: Admission, request: Any, context: Any) -> AsyncIterator[float | None]:
     """What every servicer method does first: log lines carry the request id, and the body runs in
-    an admission slot at the request's priority. Yields the request's monotonic deadline."""
+    an admission slot at the request's priority. Yields the request's monotonic deadline.
+
+    After a large request (inline media), a full garbage collection is scheduled: a failed call's
+    frames, its exception and grpc's call objects form reference cycles that hold the request's
+    bytes until the cyclic collector runs, and with few Python objects allocated per request that
+    can be many 64 MiB requests later (measured: the router's RSS climbing by ~90 MiB a request)."""
     deadline = deadline_of(context.time_remaining())
-    with bind_request(request.request_id or "-"):
-        async with admission.slot(deadline, request.priority):
-            yield deadline
+    try:
+        with bind_request(request.request_id or "-"):
+            async with admission.slot(deadline, request.priority):
+                yield deadline
+    finally:
+        if request.ByteSize() >= LARGE_REQUEST_BYTES:
+            asyncio.get_running_loop().call_soon(gc.collect)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -48,18 +49,24 @@ class RouterSettings(ClientAuthSettings, CommonSettings):
     )
     cache_lookup_timeout_s: float = setting(0.25, "longest wait for a store lookup before treating it as a miss")
     affinity_slack: int = setting(4, "extra outstanding jobs a new item's hash-preferred encoder may have")
+    max_request_s: float = setting(
+        600.0, "longest a request may take, in seconds: the deadline of calls that set none (or a longer one)"
+    )
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, router: Router, admission: Admission) -> None:
+    def __init__(self, router: Router, admission: Admission, max_request_s: float) -> None:
         self._router = router
         self._admission = admission
+        self._max_request_s = max_request_s
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: Any
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        # A client that never reads its stream, or sets no deadline, holds resources at most this long.
+        cap = time.monotonic() + self._max_request_s
         async with admitted(self._admission, request, context) as deadline:
-            async for response in self._router.generate(request, deadline):
+            async for response in self._router.generate(request, cap if deadline is None else min(deadline, cap)):
                 yield response
 
 
@@ -123,7 +130,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
         servicers=[
             (
                 generate_pb2_grpc.add_GenerateServiceServicer_to_server,
-                GenerateServicer(router, admission),
+                GenerateServicer(router, admission, settings.max_request_s),
                 "epd.v1.GenerateService",
             )
         ],

@@ -1,0 +1,177 @@
+"""Slow and hostile peers against real services: clients that never read their streams, a flood of
+streams far beyond the router's bounds, a consumer that takes handles and never acks them, and
+requests at the size limit, repeated. Each must stay bounded (queues, memory), leave other
+clients unaffected, and give everything back (by completion, deadline or lease expiry)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from libs.client.generate import generate, open_channel
+from libs.contract.epd.v1 import (
+    encoder_pb2,
+    encoder_pb2_grpc,
+    generate_pb2_grpc,
+    media_pb2,
+    tensor_pb2,
+)
+from libs.engine.media import synthetic
+from libs.launch.process import ServiceProcess
+from libs.launch.stack import Stack
+from tests.services.conftest import MIXES, pool_stats, wait_pools_empty
+from tests.services.golden import request_for
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _golden_ok(address: str, expected: dict[str, list[int]], names: list[str]) -> None:
+    async def run() -> dict[str, list[int]]:
+        async with open_channel(address) as channel:
+            return {n: (await generate(channel, request_for(MIXES[n]), timeout_s=120)).token_ids for n in names}
+
+    assert asyncio.run(run()) == {n: expected[n] for n in names}
+
+
+@pytest.mark.timeout(240)
+def test_clients_that_never_read_hold_nothing_and_harm_no_one(
+    stacks: Callable[[str], Stack], expected: dict[str, list[int]]
+) -> None:
+    stack = stacks("e/p/d")
+
+    async def scenario() -> None:
+        async with open_channel(stack.address) as stalled_channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(stalled_channel)
+            # Open streams and read nothing: the server finishes them into its send buffers.
+            stalled = [
+                stub.Generate(request_for(MIXES[name], max_tokens=64), timeout=120)
+                for name in ("image", "audio", "video", "text") * 4
+            ]
+            await asyncio.to_thread(_golden_ok, stack.address, expected, ["image", "two_images", "audio_image"])
+            # While those streams are still open and unread, every service has let their work go.
+            await asyncio.to_thread(wait_pools_empty, stack, 60)
+            assert all(
+                pool_stats(p.address).requests_in_flight == 0 for n, p in stack.processes.items() if n != "router"
+            )
+            for call in stalled:
+                call.cancel()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_flood_of_streams_is_bounded_and_the_stack_recovers(
+    stacks: Callable[[str], Stack], expected: dict[str, list[int]]
+) -> None:
+    stack = stacks("e/p/d")
+    router_pid = stack.processes["router"].pid
+    before = _rss_mib(router_pid)
+    flood = 400  # beyond the router's 64 running + 256 waiting
+
+    async def scenario() -> Counter[str]:
+        outcomes: Counter[str] = Counter()
+        async with open_channel(stack.address) as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            calls = [stub.Generate(request_for(MIXES["text"], max_tokens=128), timeout=60) for _ in range(flood)]
+
+            async def first_reply(call: grpc.aio.UnaryStreamCall) -> None:  # type: ignore[type-arg]
+                try:
+                    await call.read()  # the first message, then stall: never read the rest
+                    outcomes["streaming"] += 1
+                except grpc.aio.AioRpcError as exc:
+                    outcomes[exc.code().name] += 1
+
+            await asyncio.gather(*(first_reply(c) for c in calls))
+            for call in calls:
+                call.cancel()
+        return outcomes
+
+    outcomes = asyncio.run(scenario())
+    # Bounded queues say no early and clearly, or the deadline passes in a queue; nothing else.
+    assert set(outcomes) <= {"streaming", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, outcomes
+    assert outcomes["RESOURCE_EXHAUSTED"] > 0 and outcomes["streaming"] > 0, outcomes
+    wait_pools_empty(stack, 120)
+    _golden_ok(stack.address, expected, ["image", "audio"])  # the stack serves normally again
+    # A few hundred refused and cancelled streams cost the router no lasting memory.
+    assert _rss_mib(router_pid) < before + 150, (before, _rss_mib(router_pid))
+
+
+@pytest.mark.timeout(180)
+def test_handles_never_read_are_reclaimed_at_lease_expiry(model_path: Path, tmp_path: Path) -> None:
+    encoder = ServiceProcess(
+        "encoder-ttl",
+        "services.encoder",
+        ["--model", str(model_path), "--torch-threads", "1", "--pool-mib", "16", "--lease-ttl-s", "2"],
+        log_path=tmp_path / "encoder.log",
+    )
+    encoder.start()
+    try:
+        address = encoder.wait_ready(120)
+        with grpc.insecure_channel(address) as channel:
+            stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+            for i in range(6):  # a consumer that takes handles and never reads or acks them
+                stub.Encode(
+                    encoder_pb2.EncodeRequest(
+                        request_id=f"orphan-{i}",
+                        items=[
+                            encoder_pb2.EncodeItem(
+                                item_index=0,
+                                media=media_pb2.MediaItem(
+                                    modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(56, 56, seed=40 + i)
+                                ),
+                            )
+                        ],
+                        accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+                    ),
+                    timeout=60,
+                )
+        held = pool_stats(address).pool
+        assert held.active_leases == 6 and held.slots_in_use == 6
+        deadline = time.monotonic() + 30
+        while pool_stats(address).pool.active_leases and time.monotonic() < deadline:
+            time.sleep(0.2)
+        after = pool_stats(address).pool
+        assert (after.active_leases, after.slots_in_use) == (0, 0)
+    finally:
+        assert encoder.stop() == 0, encoder.log_tail()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_requests_at_the_size_limit_repeated_stay_bounded(stacks: Callable[[str], Stack]) -> None:
+    stack = stacks("e/p/d")
+    pids = {name: stack.processes[name].pid for name in ("router", "encoder-0", "encoder-1")}
+    big = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=bytes(64 << 20))  # the 64 MiB limit
+    request = request_for(MIXES["image"])
+    request.messages[0].parts[1].media.CopyFrom(big)
+
+    async def send(times: int) -> list[str]:
+        codes = []
+        async with open_channel(stack.address) as channel:
+            for _ in range(times):
+                try:
+                    await generate(channel, request, timeout_s=120)
+                    codes.append("OK")
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code().name)
+        return codes
+
+    assert asyncio.run(send(2)) == ["INVALID_ARGUMENT"] * 2  # zeros are not an image: a typed refusal
+    warm = {name: _rss_mib(pid) for name, pid in pids.items()}
+    assert asyncio.run(send(6)) == ["INVALID_ARGUMENT"] * 6
+    grown = {name: _rss_mib(pid) - warm[name] for name, pid in pids.items()}
+    # Six more 64 MiB requests: memory does not accumulate per request (one request's worth of slack).
+    assert all(growth < 64 for growth in grown.values()), grown
+    wait_pools_empty(stack)
