@@ -65,12 +65,14 @@ def test_truncated_png(omni_encoder: EncoderRunner) -> None:
         omni_encoder.encode([MediaInput(Modality.IMAGE, data[: len(data) // 2])])
 
 
-def test_decompression_bomb_refused_before_decoding(omni_encoder: EncoderRunner) -> None:
+@pytest.mark.parametrize("side", [7000, 10000, 20000])  # 49 Mpixel (ours only), 100 and 400 (Pillow's guard too)
+def test_decompression_bomb_refused_before_decoding(omni_encoder: EncoderRunner, side: int) -> None:
     buf = io.BytesIO()
-    Image.new("1", (10000, 10000)).save(buf, format="PNG")  # ~12 KB file, 100 Mpixel canvas
+    Image.new("1", (side, side)).save(buf, format="PNG")  # tens of KB, a canvas of side² pixels
     assert len(buf.getvalue()) < 100_000
-    with pytest.raises(MediaLimitError):
+    with pytest.raises(MediaLimitError, match=r"limit 40000000 \(refused from its header") as err:
         omni_encoder.encode([MediaInput(Modality.IMAGE, buf.getvalue())])
+    assert str(side * side) in str(err.value) or f"{side}x{side}" in str(err.value)
 
 
 def test_requested_pixels_over_limit(omni_encoder: EncoderRunner) -> None:

@@ -11,6 +11,7 @@ instead (docs/engine.md, "Preprocessing").
 from __future__ import annotations
 
 import io
+import re
 import warnings
 
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -28,6 +29,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def _too_large(size: str, limits: MediaLimits) -> str:
+    return f"image is {size} pixels, limit {limits.max_source_pixels} (refused from its header, before decoding)"
+
+
 def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
     if len(data) > limits.max_media_bytes:
         raise MediaLimitError(f"image is {len(data)} bytes, limit {limits.max_media_bytes}", field="media.data")
@@ -38,16 +43,18 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
             # The header is parsed; check the declared size before any pixel is decoded.
             width, height = image.size
             if width * height > limits.max_source_pixels:
-                raise MediaLimitError(
-                    f"image is {width}x{height} pixels, limit {limits.max_source_pixels}", field="media.data"
-                )
+                raise MediaLimitError(_too_large(f"{width}x{height}", limits), field="media.data")
             image.load()
             upright = ImageOps.exif_transpose(image)  # EXIF orientation, as load_image applies it
             return to_rgb(upright)
     except MediaLimitError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise MediaLimitError(f"image too large: {exc}", field="media.data") from exc
+        # Pillow's own guard (above ~89 Mpixel) fires inside `open`, before our check: same answer.
+        declared = re.search(r"\((\d+) pixels\)", str(exc))
+        raise MediaLimitError(
+            _too_large(declared.group(1) if declared else "over", limits), field="media.data"
+        ) from exc
     except UnidentifiedImageError as exc:
         raise InvalidMediaError("not an image in a format this server decodes", field="media.data") from exc
     except Exception as exc:  # Pillow raises many types for corrupt input
