@@ -12,34 +12,17 @@ the vLLM worker's EC connector for vLLM) is the engine's business.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from libs.contract.epd.v1 import chat_pb2, generation_pb2, service_info_pb2
+from libs.contract.epd.v1 import chat_pb2, generation_pb2
 from libs.engine import types as eng
+from libs.engines.identity import ENGINES, capability, engine_capabilities, engine_of
 
-ENGINES = ("reference", "vllm")
-CAPABILITY_PREFIX = "engine."
+__all__ = ["ENGINES", "PrefillDecodeEngine", "Streamed", "capability", "engine_capabilities", "engine_of"]
 
 # One streamed message: the chunk, and usage on the last one.
 Streamed = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
-
-
-def capability(engine: str) -> str:
-    """The capability string a service running `engine` advertises."""
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
-    return CAPABILITY_PREFIX + engine
-
-
-def engine_of(info: service_info_pb2.ServiceInfo) -> str:
-    """The engine a peer advertises; peers from before engines were advertised ran the reference."""
-    names = [c.removeprefix(CAPABILITY_PREFIX) for c in info.capabilities if c.startswith(CAPABILITY_PREFIX)]
-    return names[0] if names else "reference"
-
-
-def engine_capabilities(engine: str, others: Iterable[str]) -> list[str]:
-    return [*others, capability(engine)]
 
 
 class PrefillDecodeEngine(Protocol):

@@ -13,9 +13,25 @@ import asyncio
 from libs.cache.keys import CACHED_ONLY
 from libs.contract.epd.v1 import service_info_pb2
 from libs.contract.errors import FailedPrecondition
+from libs.engines.identity import engine_of
 from libs.rpc.peers import PeerDirectory, check_embedding_specs, check_peer
 
 ROLE = service_info_pb2
+
+
+def check_engine_pair(
+    prefill: service_info_pb2.ServiceInfo,
+    prefill_address: str,
+    decode: service_info_pb2.ServiceInfo,
+    decode_address: str,
+) -> None:
+    """A KV cache moves only between two services of the same engine (their KV layouts differ)."""
+    theirs, ours = engine_of(decode), engine_of(prefill)
+    if theirs != ours:
+        raise FailedPrecondition(
+            f"prefill {prefill_address} runs the {ours} engine and decode {decode_address} the {theirs} engine: "
+            "a KV cache moves only between services of the same engine"
+        )
 
 
 class BackendChecks:
@@ -36,12 +52,9 @@ class BackendChecks:
                 info = await self._peers.info(self._prefill)
                 check_peer(info, self._prefill, roles=roles)
                 if self._decode:
-                    check_peer(
-                        await self._peers.info(self._decode),
-                        self._decode,
-                        roles=[ROLE.SERVICE_ROLE_DECODE],
-                        model=info.model,
-                    )
+                    decode = await self._peers.info(self._decode)
+                    check_peer(decode, self._decode, roles=[ROLE.SERVICE_ROLE_DECODE], model=info.model)
+                    check_engine_pair(info, self._prefill, decode, self._decode)
                 self._backend = info
         return self._backend
 
