@@ -1,6 +1,7 @@
 """`epd` command line.
 
 epd up --layout e/p/d --encoders 2           # start a stack on loopback; Ctrl-C stops it
+epd up --config deploy/stacks/e-p-d.yaml     # ... as a stack description says
 epd generate --image cat.png "What is this?"  # stream a reply from a running router
 epd demo                                      # what `make run` does
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from libs.client.generate import build_request, generate, media_from_file, open_channel
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
+from libs.launch.config import DescriptionError, load_description, stack_spec
 from libs.launch.process import LaunchError
 from libs.launch.stack import CLIENT_TOKEN, LAYOUTS, TLS_DIR, Stack, StackSpec
 from libs.launch.supervisor import Supervisor
@@ -42,15 +44,22 @@ def ensure_model(path: Path) -> Path:
 
 
 def _stack_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layout", choices=LAYOUTS, default="e/p/d", help="deployment layout (default e/p/d)")
-    parser.add_argument("--encoders", type=int, default=2, help="encoder processes (default 2)")
+    # Defaults are None so that a flag given beside --config can be told apart (see _spec).
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="a stack description (deploy/stacks/*.yaml): layout, roles, model, transport, cache, TLS from the file",
+    )
+    parser.add_argument("--layout", choices=LAYOUTS, default=None, help="deployment layout (default e/p/d)")
+    parser.add_argument("--encoders", type=int, default=None, help="encoder processes (default 2)")
     parser.add_argument(
         "--engine",
         choices=("reference", "vllm"),
-        default="reference",
+        default=None,
         help="engine of the PD service: the reference runtime, or vLLM (E+PD layout; ~1 min and ~1.5 GB more)",
     )
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory")
+    parser.add_argument("--model", type=Path, default=None, help=f"checkpoint directory (default {DEFAULT_MODEL})")
     parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="service logs go here")
     parser.add_argument(
         "--trace-exporter", choices=("none", "jsonl", "otlp"), default="jsonl", help="where services send spans"
@@ -60,36 +69,64 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-store",
         action="store_true",
+        default=None,
         help="start a Mooncake Store (master + holder) that the encoders share and the router looks items up in",
     )
-    parser.add_argument("--cache-store-mib", type=int, default=256, help="memory the store's holder lends, in MiB")
+    parser.add_argument(
+        "--cache-store-mib", type=int, default=None, help="memory the store's holder lends, in MiB (default 256)"
+    )
     parser.add_argument(
         "--tls",
         action="store_true",
+        default=None,
         help="throwaway CA and certificates: services talk mutual TLS; clients need RUN_DIR/tls/ca.pem and the "
         "bearer token in RUN_DIR/tls/client.token (epd generate finds both)",
     )
 
 
+# Flags a stack description sets; given beside --config they would contradict the file.
+_DESCRIBED = ("layout", "encoders", "engine", "model", "cache_store", "cache_store_mib", "tls")
+
+
+def _described_spec(ns: argparse.Namespace, env: dict[str, str]) -> StackSpec:
+    given = [f"--{name.replace('_', '-')}" for name in _DESCRIBED if getattr(ns, name) is not None]
+    if given:
+        raise SystemExit(f"epd: {', '.join(given)} cannot be combined with --config: set it in {ns.config}")
+    try:
+        plan = stack_spec(load_description(ns.config), run_dir=ns.run_dir, env=env)
+    except DescriptionError as exc:
+        raise SystemExit(f"epd: {exc}") from None
+    for note in plan.notes:
+        print(f"epd: {note}", file=sys.stderr)
+    spec = plan.spec
+    return dataclasses.replace(
+        spec, model=ensure_model(spec.model), ready_timeout_s=420.0 if spec.engine == "vllm" else 120.0
+    )
+
+
 def _spec(ns: argparse.Namespace) -> StackSpec:
-    if ns.engine == "vllm" and ns.layout != "e+pd":
-        raise SystemExit("epd: --engine vllm serves the E+PD layout so far; add --layout e+pd")
     env = {
         "EPD_TRACE_EXPORTER": ns.trace_exporter,
         "EPD_TRACE_FILE": str(ns.trace_file.resolve()),
         "EPD_OTLP_ENDPOINT": ns.otlp_endpoint,
     }
+    if ns.config is not None:
+        return _described_spec(ns, env)
+    layout = ns.layout or "e/p/d"
+    engine = ns.engine or "reference"
+    if engine == "vllm" and layout != "e+pd":
+        raise SystemExit("epd: --engine vllm serves the E+PD layout so far; add --layout e+pd")
     return StackSpec(
-        layout=ns.layout,
-        encoders=ns.encoders,
-        model=ensure_model(ns.model),
+        layout=layout,
+        encoders=2 if ns.encoders is None else ns.encoders,
+        model=ensure_model(ns.model or DEFAULT_MODEL),
         run_dir=ns.run_dir,
         env=env,
-        cache_store=ns.cache_store,
-        cache_store_mib=ns.cache_store_mib,
-        tls=ns.tls,
-        engine=ns.engine,
-        ready_timeout_s=420.0 if ns.engine == "vllm" else 120.0,
+        cache_store=bool(ns.cache_store),
+        cache_store_mib=256 if ns.cache_store_mib is None else ns.cache_store_mib,
+        tls=bool(ns.tls),
+        engine=engine,
+        ready_timeout_s=420.0 if engine == "vllm" else 120.0,
     )
 
 
@@ -108,8 +145,8 @@ def cmd_up(ns: argparse.Namespace) -> int:
     address_file.parent.mkdir(parents=True, exist_ok=True)
     address_file.write_text(address)
     pids = ", ".join(f"{name} {p.pid}" for name, p in stack.processes.items())
-    print(f"router listening on {address}  ({ns.layout}; {pids}; logs in {ns.run_dir})", flush=True)
-    if ns.tls:
+    print(f"router listening on {address}  ({stack.spec.layout}; {pids}; logs in {ns.run_dir})", flush=True)
+    if stack.spec.tls:
         print(f"TLS: clients need {stack.tls_dir / 'ca.pem'} and the token in {stack.tls_dir / CLIENT_TOKEN}")
     print("Ctrl-C stops the stack.", flush=True)
     stop = threading.Event()

@@ -1,0 +1,338 @@
+"""The declarative stack description (deploy/stacks/*.yaml, schema deploy/schema/stack.schema.json).
+
+One file says what a stack is: layout, roles and replicas, model, ports, transport, cache, TLS,
+drain. `load_description` validates it against the JSON Schema (a bad file fails with a
+`DescriptionError` naming the file and the offending key, e.g. `roles.encoder.replicas`), fills
+the schema's defaults and checks what a schema cannot (the roles a layout needs, autoscale
+bounds). The same `StackDescription` becomes a local `StackSpec` (`stack_spec`, what
+`epd up --config` runs) and Kubernetes manifests (`libs/launch/k8s.py`), so the two cannot drift.
+Settings reach a service as its own `EPD_*` settings (`role_settings`), never anything else.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from libs.launch.process import ROOT
+from libs.launch.stack import StackSpec
+
+SCHEMA_PATH = ROOT / "deploy" / "schema" / "stack.schema.json"
+# The roles each layout runs (and no others).
+LAYOUT_ROLES = {
+    "colocated": ("colocated",),
+    "e+pd": ("router", "encoder", "pd"),
+    "e/p/d": ("router", "encoder", "prefill", "decode"),
+}
+# gRPC port of each role when the description gives none (Kubernetes; one role per pod).
+DEFAULT_PORTS = {"router": 50051, "colocated": 50051, "encoder": 50061, "prefill": 50071, "pd": 50071, "decode": 50081}
+MODEL_ROLES = ("encoder", "prefill", "decode", "pd", "colocated")
+# Roles `epd up` runs more than one of on this host; of the stateless front-ends it runs one (on one
+# host a second router adds nothing); any other role replicated is refused locally.
+LOCAL_REPLICATED = ("encoder",)
+LOCAL_ONE_OF = ("router", "colocated")
+
+Value = str | int | float | bool
+
+
+class DescriptionError(ValueError):
+    """A stack description that cannot be used; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class Autoscale:
+    min_replicas: int
+    max_replicas: int
+    target_occupancy: float
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    replicas: int
+    port: int
+    cpu: str
+    memory: str
+    autoscale: Autoscale | None
+    settings: Mapping[str, Value]
+
+
+@dataclass(frozen=True)
+class StackDescription:
+    """A validated description with every default filled in (`raw` keeps the whole document)."""
+
+    source: Path
+    raw: Mapping[str, Any]
+    roles: Mapping[str, Role] = field(default_factory=dict)
+
+    def __getitem__(self, section: str) -> Any:
+        return self.raw[section]
+
+    @property
+    def name(self) -> str:
+        return str(self.raw["name"])
+
+    @property
+    def layout(self) -> str:
+        return str(self.raw["layout"])
+
+    @property
+    def store_enabled(self) -> bool:
+        return bool(self.raw["cache"]["store"]["enabled"]) and self.layout != "colocated"
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.raw["tls"]["enabled"])
+
+
+@cache
+def schema() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(SCHEMA_PATH.read_text())
+    jsonschema.Draft202012Validator.check_schema(loaded)
+    return loaded
+
+
+def _key(path: Any) -> str:
+    """`roles.encoder.replicas` from a jsonschema error path."""
+    return ".".join(str(p) for p in path) or "(top level)"
+
+
+def _message(error: jsonschema.ValidationError) -> str:
+    """One line naming the key and the problem."""
+    where = _key(error.absolute_path)
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        allowed = sorted(error.schema.get("properties", {}))
+        extra = sorted(set(error.instance) - set(allowed))
+        keys = ", ".join(f"{where}.{k}" if error.absolute_path else k for k in extra)
+        return f"{keys}: unknown key (allowed here: {', '.join(allowed)})"
+    if "propertyNames" in error.absolute_schema_path:
+        # jsonschema reports the key itself as the instance, at the path of the object holding it.
+        names = ", ".join(error.validator_value)
+        return f"{where}.{error.instance}: not a setting this role takes here (allowed: {names})"
+    return f"{where}: {error.message}"
+
+
+def _errors(document: Any) -> list[str]:
+    validator = jsonschema.Draft202012Validator(schema())
+    errors = sorted(validator.iter_errors(document), key=lambda e: list(map(str, e.absolute_path)))
+    return [_message(error) for error in errors]
+
+
+def _resolve(node: Mapping[str, Any]) -> Mapping[str, Any]:
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        target: Mapping[str, Any] = schema()["$defs"][ref.removeprefix("#/$defs/")]
+        return {**target, **{k: v for k, v in node.items() if k != "$ref"}, "properties": _properties(node, target)}
+    return node
+
+
+def _properties(node: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str, Any]:
+    return {**target.get("properties", {}), **node.get("properties", {})}
+
+
+def _with_defaults(instance: dict[str, Any], node: Mapping[str, Any]) -> dict[str, Any]:
+    """`instance` with the schema's defaults filled in, recursively (objects only)."""
+    node = _resolve(node)
+    out = dict(instance)
+    for name, sub in node.get("properties", {}).items():
+        sub = _resolve(sub)
+        if name not in out and "default" in sub:
+            out[name] = sub["default"]
+        if sub.get("type") == "object" and "properties" in sub:
+            # Sections are filled in; an optional block with required keys (autoscale) stays absent.
+            if name not in out and not sub.get("required") and node is not schema()["properties"]["roles"]:
+                out[name] = {}
+            if isinstance(out.get(name), dict):
+                out[name] = _with_defaults(out[name], sub)
+    return out
+
+
+def _semantic_problems(doc: Mapping[str, Any]) -> list[str]:
+    layout, roles = doc["layout"], doc["roles"]
+    wanted = LAYOUT_ROLES[layout]
+    problems = [f"roles.{r}: layout {layout} needs this role" for r in wanted if r not in roles]
+    problems += [
+        f"roles.{r}: layout {layout} has no such role (it runs {', '.join(wanted)})" for r in roles if r not in wanted
+    ]
+    if doc.get("engine") == "vllm" and layout != "e+pd":
+        problems.append(f"engine: vllm serves the E+PD layout's PD service; layout is {layout}")
+    for name, role in roles.items():
+        scale = role.get("autoscale")
+        if scale is None:
+            continue
+        if name != "encoder":
+            problems.append(f"roles.{name}.autoscale: only the encoder pool autoscales")
+        low = scale.get("min_replicas", role.get("replicas", 1))
+        if low > scale["max_replicas"]:
+            problems.append(f"roles.{name}.autoscale: min_replicas {low} > max_replicas {scale['max_replicas']}")
+    telemetry = doc.get("telemetry", {})
+    for name, role in roles.items():
+        port = role.get("port", DEFAULT_PORTS[name])
+        for other in ("metrics_port", "health_port"):
+            if port == telemetry.get(other, schema()["properties"]["telemetry"]["properties"][other]["default"]):
+                problems.append(f"roles.{name}.port: {port} is also telemetry.{other}")
+    return problems
+
+
+def parse_description(document: Any, source: Path) -> StackDescription:
+    """Validate a parsed document; raises DescriptionError listing every problem by key."""
+    if not isinstance(document, dict):
+        raise DescriptionError(f"{source}: expected a mapping at the top level, got {type(document).__name__}")
+    problems = _errors(document)
+    if not problems:
+        problems = _semantic_problems(document)
+    if problems:
+        raise DescriptionError(f"{source}: " + "; ".join(problems))
+    doc = _with_defaults(document, schema())
+    roles = {}
+    for name, role in doc["roles"].items():
+        role = _with_defaults(role, schema()["properties"]["roles"]["properties"][name])
+        scale = role.get("autoscale")
+        roles[name] = Role(
+            name=name,
+            replicas=role["replicas"],
+            port=role.get("port", DEFAULT_PORTS[name]),
+            cpu=role["cpu"],
+            memory=role["memory"],
+            autoscale=None
+            if scale is None
+            else Autoscale(
+                scale.get("min_replicas", role["replicas"]), scale["max_replicas"], scale["target_occupancy"]
+            ),
+            settings=dict(role.get("settings", {})),
+        )
+    return StackDescription(source=source, raw=doc, roles=roles)
+
+
+def load_description(path: Path) -> StackDescription:
+    """Read, validate and complete a stack description (YAML)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise DescriptionError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise DescriptionError(f"{path}: not valid YAML: {exc}") from None
+    return parse_description(document, path)
+
+
+def env_value(value: Value) -> str:
+    """A setting's value as its environment variable spells it (libs/config reads true/false)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def env_name(setting: str) -> str:
+    """The service's environment variable of a setting (libs/config: EPD_<NAME>)."""
+    return "EPD_" + setting.upper()
+
+
+def role_settings(desc: StackDescription, role: str) -> dict[str, Value]:
+    """The settings (by setting name) the description gives one role, wherever it runs. Addresses,
+    host, ports and TLS files depend on where it runs and are added by the local launcher or the
+    Kubernetes renderer."""
+    values: dict[str, Value] = {"grace_s": desc["drain"]["grace_s"]}
+    if role in MODEL_ROLES:
+        transport = desc["transport"]
+        values |= {
+            "model": desc["model"]["path"],
+            "torch_threads": desc["model"]["torch_threads"],
+            "pool_mib": transport["pool_mib"],
+            "checksum": transport["checksums"],
+            "poison_freed": transport["poison_freed"],
+            "lease_ttl_s": transport["lease_ttl_s"],
+        }
+    if role == "encoder":
+        values["cache_mib"] = desc["cache"]["local_mib"]
+    if role == "pd":
+        values["engine"] = desc["engine"]
+    if role == "router":
+        values["layout"] = desc.layout
+    values |= desc.roles[role].settings
+    return values
+
+
+# Settings the local launcher (libs/launch/stack.py) passes itself; the description's values for
+# them reach `StackSpec` fields instead of flags.
+_LAUNCHER_OWNED = {"model", "torch_threads", "pool_mib", "engine", "layout"}
+
+
+def _flags(settings: Mapping[str, Value]) -> list[str]:
+    """Command-line flags of settings (booleans are --name / --no-name, libs/config)."""
+    args = []
+    for name, value in settings.items():
+        if name in _LAUNCHER_OWNED:
+            continue
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            args += [f"--{flag}", str(value)]
+    return args
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    spec: StackSpec
+    notes: tuple[str, ...]  # what runs differently on this host than in Kubernetes
+
+
+def stack_spec(desc: StackDescription, *, run_dir: Path, env: Mapping[str, str] | None = None) -> LocalPlan:
+    """The local stack (`epd up --config`): one process per role, encoders as replicated, every
+    service on loopback on a free port (the description's ports are per pod, for Kubernetes)."""
+    notes = []
+    for name, role in desc.roles.items():
+        if role.replicas > 1 and name in LOCAL_ONE_OF:
+            notes.append(f"roles.{name}.replicas is {role.replicas}: one {name} runs on this host")
+        elif role.replicas > 1 and name not in LOCAL_REPLICATED:
+            raise DescriptionError(
+                f"{desc.source}: roles.{name}.replicas: {role.replicas}; `epd up` runs one {name} process "
+                f"(replicated locally: {', '.join(LOCAL_REPLICATED)}); Kubernetes runs them all"
+            )
+    extra_args: dict[str, list[str]] = {}
+    for name in desc.roles:
+        flags = _flags(role_settings(desc, name))
+        if name == "encoder":
+            for i in range(desc.roles[name].replicas):
+                extra_args[f"encoder-{i}"] = list(flags)
+        else:
+            extra_args[name] = flags
+    spec = StackSpec(
+        layout=desc.layout,
+        encoders=desc.roles["encoder"].replicas if "encoder" in desc.roles else 0,
+        model=Path(desc["model"]["path"]),
+        run_dir=run_dir,
+        torch_threads=desc["model"]["torch_threads"],
+        pool_mib=desc["transport"]["pool_mib"],
+        cache_store=desc.store_enabled,
+        cache_store_mib=desc["cache"]["store"]["memory_mib"],
+        tls=desc.tls,
+        engine=desc["engine"],
+        env=dict(env or {}),
+        extra_args=extra_args,
+    )
+    return LocalPlan(spec, tuple(notes))
+
+
+__all__ = [
+    "LAYOUT_ROLES",
+    "DescriptionError",
+    "LocalPlan",
+    "Role",
+    "StackDescription",
+    "env_name",
+    "env_value",
+    "load_description",
+    "parse_description",
+    "role_settings",
+    "stack_spec",
+]

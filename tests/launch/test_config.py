@@ -1,0 +1,282 @@
+"""The stack description (deploy/stacks/*.yaml): schema validation with errors naming the key, the
+settings it gives each role are real settings of that service (checked with the services' own
+parsers), and `epd up --config` maps it onto the local launcher."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from contextlib import redirect_stderr
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from libs.config.settings import load_settings
+from libs.launch.config import (
+    LAYOUT_ROLES,
+    SCHEMA_PATH,
+    DescriptionError,
+    StackDescription,
+    load_description,
+    parse_description,
+    role_settings,
+    stack_spec,
+)
+from services.colocated.service import ColocatedSettings
+from services.decode.service import DecodeSettings
+from services.encoder.service import EncoderSettings
+from services.pd.service import PrefillDecodeSettings
+from services.prefill.service import PrefillSettings
+from services.router.service import RouterSettings
+
+STACKS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "stacks").glob("*.yaml"))
+SETTINGS = {
+    "router": RouterSettings,
+    "encoder": EncoderSettings,
+    "prefill": PrefillSettings,
+    "decode": DecodeSettings,
+    "pd": PrefillDecodeSettings,
+    "colocated": ColocatedSettings,
+}
+
+
+def _fields(cls: type[Any]) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _minimal(**over: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "version": 1,
+        "name": "t",
+        "layout": "e/p/d",
+        "roles": {"router": {}, "encoder": {"replicas": 2}, "prefill": {}, "decode": {}},
+    }
+    doc.update(over)
+    return doc
+
+
+def _error(doc: Any) -> str:
+    with pytest.raises(DescriptionError) as info:
+        parse_description(doc, Path("bad.yaml"))
+    return str(info.value)
+
+
+def test_every_committed_description_loads_and_covers_the_three_layouts() -> None:
+    layouts = {load_description(path).layout for path in STACKS}
+    assert layouts == set(LAYOUT_ROLES)
+
+
+@pytest.mark.parametrize("path", STACKS, ids=lambda p: p.stem)
+def test_the_settings_a_description_gives_are_real_settings_of_each_role(path: Path) -> None:
+    desc = load_description(path)
+    for role in desc.roles:
+        values = role_settings(desc, role)
+        unknown = set(values) - _fields(SETTINGS[role])
+        assert not unknown, f"{path.name}: {role} has no setting {unknown}"
+
+
+def test_the_schema_offers_each_role_only_settings_it_has() -> None:
+    schema = json.loads(SCHEMA_PATH.read_text())
+    roles = schema["properties"]["roles"]["properties"]
+    for role, node in roles.items():
+        ref = node["properties"]["settings"]["$ref"].removeprefix("#/$defs/")
+        offered = set(schema["$defs"][ref]["propertyNames"]["enum"])
+        assert offered <= _fields(SETTINGS[role]), f"{role}: {offered - _fields(SETTINGS[role])}"
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda d: d["roles"]["encoder"].update(replicas=0), "roles.encoder.replicas: 0 is less than the minimum of 1"),
+        (lambda d: d["roles"]["encoder"].update(replica=2), "roles.encoder.replica: unknown key"),
+        (lambda d: d.update(transport={"pool_mib": "lots"}), "transport.pool_mib: 'lots' is not of type 'integer'"),
+        (lambda d: d.update(layout="e-p-d"), "layout: 'e-p-d' is not one of"),
+        (lambda d: d["roles"].pop("decode"), "roles.decode: layout e/p/d needs this role"),
+        (lambda d: d["roles"].update(pd={}), "roles.pd: layout e/p/d has no such role"),
+        (
+            lambda d: d["roles"]["encoder"].update(settings={"max_runing": 3}),
+            "roles.encoder.settings.max_runing: not a setting this role takes here",
+        ),
+        (
+            lambda d: d["roles"]["router"].update(settings={"cached_max_running": 3}),
+            "roles.router.settings.cached_max_running: not a setting",
+        ),
+        (
+            lambda d: d["roles"]["encoder"].update(autoscale={"min_replicas": 4, "max_replicas": 2}),
+            "roles.encoder.autoscale: min_replicas 4 > max_replicas 2",
+        ),
+        (lambda d: d["roles"]["prefill"].update(autoscale={"max_replicas": 2}), "only the encoder pool autoscales"),
+        (lambda d: d.update(engine="vllm"), "engine: vllm serves the E+PD layout"),
+        (lambda d: d["roles"]["router"].update(port=9090), "roles.router.port: 9090 is also telemetry.metrics_port"),
+        (lambda d: d.update(tls={"enabled": "yes"}), "tls.enabled: 'yes' is not of type 'boolean'"),
+        (lambda d: d.pop("layout"), "'layout' is a required property"),
+        (lambda d: d["roles"]["router"].update(memory="2GB"), "roles.router.memory: '2GB' does not match"),
+    ],
+)
+def test_a_bad_description_names_the_file_and_the_key(change: Any, expected: str) -> None:
+    doc = _minimal()
+    change(doc)
+    message = _error(doc)
+    assert message.startswith("bad.yaml: ")
+    assert expected in message
+
+
+def test_defaults_are_filled_from_the_schema() -> None:
+    desc = parse_description(_minimal(), Path("x.yaml"))
+    assert desc["transport"]["pool_mib"] == 64 and desc["transport"]["checksums"] is True
+    assert desc["cache"]["store"] == {
+        "enabled": False,
+        "memory_mib": 256,
+        "master_port": 50090,
+        "metrics_port": 9003,
+        "holder_port": 50091,
+    }
+    assert desc.roles["encoder"].port == 50061 and desc.roles["encoder"].autoscale is None
+    assert desc.roles["router"].replicas == 1 and desc.roles["router"].memory == "2Gi"
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(DescriptionError, match="cannot read"):
+        load_description(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("roles: [unclosed\n")
+    with pytest.raises(DescriptionError, match="not valid YAML"):
+        load_description(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(DescriptionError, match="expected a mapping at the top level"):
+        load_description(bad)
+
+
+def _parse_flags(role: str, args: list[str]) -> Any:
+    return load_settings(SETTINGS[role], argv=args, env={})
+
+
+def test_the_local_plan_passes_each_setting_as_a_flag_its_service_parses(tmp_path: Path) -> None:
+    doc = _minimal(transport={"checksums": False, "lease_ttl_s": 12.5}, drain={"grace_s": 7})
+    doc["roles"]["encoder"]["settings"] = {"cached_max_running": 3, "accept_inline_tensors": True}
+    doc["roles"]["router"]["settings"] = {"max_running": 9}
+    plan = stack_spec(parse_description(doc, Path("x.yaml")), run_dir=tmp_path)
+    spec = plan.spec
+    assert (spec.layout, spec.encoders, spec.pool_mib, spec.cache_store, spec.tls) == ("e/p/d", 2, 64, False, False)
+    assert set(spec.extra_args) == {"router", "encoder-0", "encoder-1", "prefill", "decode"}
+    encoder = _parse_flags("encoder", spec.extra_args["encoder-1"])
+    assert (encoder.checksum, encoder.lease_ttl_s, encoder.grace_s) == (False, 12.5, 7.0)
+    assert (encoder.cached_max_running, encoder.accept_inline_tensors, encoder.cache_mib) == (3, True, 256)
+    prefill = _parse_flags("prefill", spec.extra_args["prefill"])
+    assert (prefill.checksum, prefill.poison_freed) == (False, True)
+    router = _parse_flags("router", spec.extra_args["router"])
+    assert (router.max_running, router.grace_s) == (9, 7.0)
+    assert plan.notes == ()
+
+
+def test_the_local_plan_runs_one_front_end_and_refuses_other_replicas(tmp_path: Path) -> None:
+    doc = _minimal()
+    doc["roles"]["router"]["replicas"] = 3
+    plan = stack_spec(parse_description(doc, Path("x.yaml")), run_dir=tmp_path)
+    assert plan.notes == ("roles.router.replicas is 3: one router runs on this host",)
+    doc["roles"]["decode"]["replicas"] = 2
+    with pytest.raises(DescriptionError, match=r"roles.decode.replicas: 2; `epd up` runs one decode"):
+        stack_spec(parse_description(doc, Path("x.yaml")), run_dir=tmp_path)
+
+
+def test_cli_refuses_flags_that_contradict_the_file() -> None:
+    from libs.cli.main import main
+
+    with pytest.raises(SystemExit) as info, redirect_stderr(io.StringIO()):
+        main(["up", "--config", str(STACKS[0]), "--layout", "e+pd", "--tls"])
+    assert str(info.value) == f"epd: --layout, --tls cannot be combined with --config: set it in {STACKS[0]}"
+
+
+def test_cli_reports_a_bad_file_by_key(tmp_path: Path) -> None:
+    from libs.cli.main import main
+
+    path = tmp_path / "s.yaml"
+    doc = _minimal()
+    doc["roles"]["encoder"]["replicas"] = -1
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(SystemExit) as info:
+        main(["up", "--config", str(path)])
+    assert str(info.value).startswith(f"epd: {path}: roles.encoder.replicas: -1 is less than the minimum of 1")
+
+
+def test_a_description_is_immutable() -> None:
+    desc = parse_description(_minimal(), Path("x.yaml"))
+    assert isinstance(desc, StackDescription)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        desc.roles = {}  # type: ignore[misc]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_epd_up_runs_a_description(tmp_path: Path) -> None:
+    """`epd up --config` on a real E+PD stack: the description's settings reach the services (the
+    encoder runs without checksums and advertises none), and a request is served."""
+    import json as _json
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import grpc
+
+    from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
+    from libs.engine.checkpoints import ensure_checkpoint
+
+    model = ensure_checkpoint("qwen2_5_omni", "tiny")
+    doc = {
+        "version": 1,
+        "name": "t",
+        "layout": "e+pd",
+        "model": {"path": str(model)},
+        "roles": {"router": {}, "encoder": {"settings": {"cached_max_running": 2}}, "pd": {}},
+        "transport": {"checksums": False, "pool_mib": 32},
+        "drain": {"grace_s": 5},
+    }
+    config = tmp_path / "stack.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    run_dir = tmp_path / "run"
+    epd = [sys.executable, "-m", "libs.cli"]
+    up = subprocess.Popen(
+        [*epd, "up", "--config", str(config), "--run-dir", str(run_dir), "--no-supervise", "--trace-exporter", "none"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        address_file = run_dir / "router.address"
+        deadline = time.monotonic() + 150
+        while not address_file.exists():
+            assert up.poll() is None, up.stdout.read() if up.stdout else ""
+            assert time.monotonic() < deadline, "epd up did not write the router address"
+            time.sleep(0.2)
+        reply = subprocess.run(
+            [*epd, "generate", "--run-dir", str(run_dir), "--max-tokens", "4", "hello"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert reply.returncode == 0, reply.stderr
+        assert re.search(r"4 tokens, FINISH_REASON_LENGTH", reply.stderr), reply.stderr
+        log = (run_dir / "encoder-0.log").read_text()
+        encoder = re.search(r"^encoder listening on (\S+)$", log, re.MULTILINE)
+        assert encoder is not None
+        started = next(_json.loads(line) for line in log.splitlines() if '"starting"' in line)
+        assert started["settings"]["cached_max_running"] == "2"
+        assert started["settings"]["grace_s"] == "5.0"
+        with grpc.insecure_channel(encoder.group(1)) as channel:
+            info = service_info_pb2_grpc.ServiceInfoServiceStub(channel).GetServiceInfo(
+                service_info_pb2.GetServiceInfoRequest(), timeout=10
+            )
+        assert "transfer.lease_stamp" in info.info.capabilities
+        assert "transfer.checksums" not in info.info.capabilities
+    finally:
+        if up.poll() is None:
+            os.kill(up.pid, signal.SIGINT)
+        out, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, out
+    assert "stopped: {" in out
