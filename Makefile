@@ -19,7 +19,7 @@ SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 # Debian packages: Mooncake Store's binding links libibverbs (no RDMA device is needed or used).
 SYSTEM_PACKAGES := libibverbs1
 
-.PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer bench-cache fuzz soak
+.PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer bench-cache bench-vllm fuzz soak
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -78,6 +78,9 @@ bench-engine: deps ## CPU time per engine stage, tiny and ~100M checkpoints (not
 
 bench-cache: deps ## reassignment experiment: encodes and p90 TTFT with/without the shared store (not in make test)
 	$(PY) tests/benchmarks/bench_cache.py --size small --requests 16 --images 2
+
+bench-vllm: deps ## TTFT and throughput: EPD on vLLM vs vLLM's own E+PD vs vLLM unsplit (not part of make test)
+	$(PY) tests/benchmarks/bench_vllm.py --family qwen2_5_vl --requests 12 --concurrency 4
 
 bench-transfer: deps ## NIXL vs memcpy vs inline gRPC throughput, 64 KiB latency (not part of make test)
 	$(PY) tests/benchmarks/bench_transfer.py

@@ -319,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="start a stack, send sample requests, print outputs and timings, stop")
     _stack_args(demo)
     demo.set_defaults(func=cmd_demo)
+
+    from libs.cli import deploy  # epd deploy render (Kubernetes manifests)
+
+    deploy.add_parser(sub)
     return parser
 
 

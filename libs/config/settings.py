@@ -49,7 +49,10 @@ class CommonSettings:
     )
     trace_file: Path = setting(Path("var/traces/spans.jsonl"), "JSONL span file (trace_exporter=jsonl)")
     otlp_endpoint: str = setting("127.0.0.1:4317", "OTLP/gRPC collector address (trace_exporter=otlp)")
-    metrics_port: int = setting(0, "serve Prometheus /metrics on 127.0.0.1:PORT; 0 disables it")
+    metrics_port: int = setting(0, "serve Prometheus /metrics on HOST:PORT (the --host address); 0 disables it")
+    health_port: int = setting(
+        0, "also serve grpc.health.v1 alone, plaintext, on HOST:PORT (probes that cannot speak TLS); 0: none"
+    )
     tls_ca: Path | None = setting(None, "cluster CA (PEM); with --tls-cert and --tls-key, every connection is TLS")
     tls_cert: Path | None = setting(None, "this process's certificate chain (PEM), CN epd-<role>")
     tls_key: Path | None = setting(None, "this process's private key (PEM)")
@@ -149,9 +152,10 @@ def load_settings(
 
 
 def _check_ranges(settings: Any) -> None:
-    port = getattr(settings, "port", 0)
-    if not 0 <= port <= 65535:
-        raise SettingsError(f"{flag_name('port')}: {port} is not a TCP port")
+    for name in ("port", "metrics_port", "health_port"):
+        port = getattr(settings, name, 0)
+        if not 0 <= port <= 65535:
+            raise SettingsError(f"{flag_name(name)}: {port} is not a TCP port")
 
 
 def main_settings(cls: type[T], prog: str) -> T:

@@ -15,15 +15,39 @@ import gc
 import heapq
 import itertools
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
+
+from opentelemetry import metrics
 
 from libs.contract.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from libs.telemetry.logging import bind_request
 from libs.telemetry.stages import stage
 
 CAPABILITY = "admission.priority"
+
+# Every live admission, for the load gauges below (the encoder pool's autoscaler reads occupancy).
+_LIVE: weakref.WeakSet[Admission] = weakref.WeakSet()
+
+
+def _observe(value: str) -> Any:
+    def callback(_options: metrics.CallbackOptions) -> Iterator[metrics.Observation]:
+        for admission in list(_LIVE):
+            yield metrics.Observation(getattr(admission, value), {"epd.lane": admission.name})
+
+    return callback
+
+
+_meter = metrics.get_meter("epd")
+_meter.create_observable_gauge("epd.admission.running", [_observe("running")], description="Requests running")
+_meter.create_observable_gauge("epd.admission.waiting", [_observe("waiting")], description="Requests waiting")
+_meter.create_observable_gauge(
+    "epd.admission.occupancy",
+    [_observe("occupancy")],
+    description="(running + waiting) / max_running: 1 is every slot busy, above 1 a queue (autoscaling signal)",
+)
 
 
 class Admission:
@@ -39,6 +63,11 @@ class Admission:
         self.closed = False
         self._heap: list[tuple[int, int, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
+        _LIVE.add(self)
+
+    @property
+    def occupancy(self) -> float:
+        return (self.running + self.waiting) / self.max_running
 
     @property
     def waiting(self) -> int:

@@ -60,6 +60,7 @@ async def serve(name: str, settings: CommonSettings, parts: ServiceParts, grace_
         tls=security.material(),
         public=parts.public,
         tokens=parts.tokens,
+        health_port=settings.health_port,
     )
     server = EpdServer(options, parts.info)
     for register, servicer, full_name in parts.servicers:
@@ -106,7 +107,7 @@ def service_main(name: str, settings_cls: type[S], setup: Callable[[S], Awaitabl
     settings = main_settings(settings_cls, prog=f"epd-{name}")
     configure_logging(name, settings.log_level, settings.log_format)
     tracing = configure_tracing(name, "0.1.0", settings.trace_exporter, settings.trace_file, settings.otlp_endpoint)
-    configure_metrics(name, settings.metrics_port)
+    configure_metrics(name, settings.metrics_port, settings.host)
     log = structlog.get_logger(name)
     _exit_with_parent()
     log.info("starting", settings={k: str(v) for k, v in dataclasses.asdict(settings).items() if k not in _SECRET})

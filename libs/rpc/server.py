@@ -69,6 +69,9 @@ class ServerOptions:
     public: bool = False
     # Bearer tokens a public server accepts for Generate (empty: no token needed). Needs TLS.
     tokens: frozenset[str] = frozenset()
+    # A second, plaintext port serving grpc.health.v1 alone (same status as the main port), for
+    # probes that cannot speak TLS (Kubernetes' gRPC probes); 0: none.
+    health_port: int = 0
 
 
 def channel_options(max_message_bytes: int = 80 << 20) -> list[tuple[str, Any]]:
@@ -140,6 +143,11 @@ class EpdServer:
         )
         self.port = 0
         self._stopping: asyncio.Event | None = None
+        self._health_server: grpc.aio.Server | None = None
+        if options.health_port:
+            # Health and nothing else: status only, so it needs no TLS and no token.
+            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=64)
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
 
     def add(self, register: Callable[[Any, grpc.aio.Server], None], servicer: Any, full_name: str) -> None:
         """Register a servicer (with its generated `add_*_to_server`) under its full service name."""
@@ -160,6 +168,11 @@ class EpdServer:
         if self.port == 0:
             raise OSError(f"cannot bind {address}")
         await self._server.start()
+        if self._health_server is not None:
+            health_address = f"{self.options.host}:{self.options.health_port}"
+            if self._health_server.add_insecure_port(health_address) == 0:
+                raise OSError(f"cannot bind the health port {health_address}")
+            await self._health_server.start()
         for name in ["", *self._service_names]:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._stopping = asyncio.Event()
@@ -195,6 +208,8 @@ class EpdServer:
         if drain is not None:
             await drain(grace)
         await self._server.stop(max(0.0, grace - (time.monotonic() - started)))
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         if self._stopping is not None:
             self._stopping.set()
         _log.info("stopped", address=self.address)

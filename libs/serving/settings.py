@@ -30,3 +30,9 @@ class ModelServiceSettings(CommonSettings):
     accept_inline_tensors: bool = setting(
         False, "accept tensor bytes inside requests (INLINE handles) from unauthenticated callers; always with TLS"
     )
+    ucx_net_devices: str = setting(
+        "lo", "UCX_NET_DEVICES of the NIXL agent: the interface(s) tensors cross (lo: this host only; all: any)"
+    )
+    ucx_tls: str = setting(
+        "", "UCX_TLS of the NIXL agent, e.g. tcp (no shared memory or cross-memory attach); empty: UCX chooses"
+    )

@@ -75,6 +75,8 @@ def transfer_config(settings: ModelServiceSettings, role: str) -> TransferConfig
         poison_freed=settings.poison_freed,
         # Tensor bytes inside a request: only from callers mutual TLS authenticated, or when asked.
         accept_inline=settings.accept_inline_tensors or settings.tls_ca is not None,
+        ucx_net_devices=settings.ucx_net_devices,
+        extra_env=(("UCX_TLS", settings.ucx_tls),) if settings.ucx_tls else (),
     )
 
 

@@ -101,8 +101,9 @@ def configure_tracing(
     return TracingHandle(provider=provider, instance_id=instance_id)
 
 
-def configure_metrics(service_name: str, prometheus_port: int = 0) -> None:
-    """Install a meter provider; with `prometheus_port` > 0, serve /metrics on 127.0.0.1:port."""
+def configure_metrics(service_name: str, prometheus_port: int = 0, host: str = "127.0.0.1") -> None:
+    """Install a meter provider; with `prometheus_port` > 0, serve /metrics on host:port (the
+    service's own listening address: loopback by default, the pod's address in Kubernetes)."""
     from opentelemetry import metrics
     from opentelemetry.sdk.metrics import MeterProvider
 
@@ -111,7 +112,7 @@ def configure_metrics(service_name: str, prometheus_port: int = 0) -> None:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import start_http_server
 
-        start_http_server(prometheus_port, addr="127.0.0.1")
+        start_http_server(prometheus_port, addr=host)
         readers.append(PrometheusMetricReader())
     metrics.set_meter_provider(
         MeterProvider(resource=Resource.create({"service.name": service_name}), metric_readers=readers)

@@ -103,7 +103,12 @@ def _cache(
         dtype_name(runner.dtype),
         preprocessing=runner.preprocessing_digest,
     )
-    store = MooncakeStoreClient(StoreConfig(settings.cache_master)) if settings.cache_master else None
+    # The store reaches this client's staging memory at our own address (a pod's, in Kubernetes).
+    store = (
+        MooncakeStoreClient(StoreConfig(settings.cache_master, local_hostname=settings.host))
+        if settings.cache_master
+        else None
+    )
     config = CacheConfig(local_max_bytes=settings.cache_mib << 20)
     return EncoderCache(namespace, store=store, config=config, specs=runner.specs), store
 

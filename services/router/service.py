@@ -37,7 +37,12 @@ class RouterSettings(ClientAuthSettings, CommonSettings):
     """Router: client-facing Generate over encoders and prefill/decode (E/P/D) or PD (E+PD)."""
 
     layout: Literal["e/p/d", "e+pd"] = setting("e/p/d", "deployment layout behind the router")
-    encoders: tuple[str, ...] = setting((), "encoder addresses, comma-separated")
+    encoders: tuple[str, ...] = setting(
+        (),
+        "encoders: addresses (HOST:PORT, comma-separated), or dns:///NAME:PORT (every A record of NAME, e.g. a "
+        "headless Service), or file:///PATH (one address per line); dns and file are re-read while running",
+    )
+    discovery_refresh_s: float = setting(2.0, "seconds between re-reads of dns:/// and file:/// members")
     prefill: str = setting("", "prefill address (e/p/d)")
     decode: str = setting("", "decode address (e/p/d)")
     pd: str = setting("", "prefill-decode address (e+pd)")
@@ -108,7 +113,10 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     if settings.cache_master:
         # Lookups only: a small staging buffer, and a short deadline (a slow store is a miss).
         config = StoreConfig(
-            settings.cache_master, local_buffer_size=1 << 20, op_timeout_s=settings.cache_lookup_timeout_s
+            settings.cache_master,
+            local_hostname=settings.host,
+            local_buffer_size=1 << 20,
+            op_timeout_s=settings.cache_lookup_timeout_s,
         )
         store = MooncakeStoreClient(config)
     cache = CacheLookup(store)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from libs.launch.k8s import LANE_LABEL, OCCUPANCY_METRIC
 from libs.launch.process import ServiceProcess, free_port
 from tests.services.conftest import MIXES, run_requests
 from tests.services.golden import request_for
@@ -31,3 +32,6 @@ def test_prometheus_endpoint_serves_stage_histograms(model_path: Path, tmp_path:
     stages = {line.split('epd_stage="')[1].split('"')[0] for line in text.splitlines() if 'epd_stage="' in line}
     assert {"queue", "preprocess", "encode", "prefill", "decode"} <= stages
     assert "epd_stage_duration_seconds_bucket" in text
+    # The load gauge an autoscaler reads (the encoder pool's HPA in deploy/k8s names it): idle now.
+    gauge = [line for line in text.splitlines() if line.startswith(OCCUPANCY_METRIC + "{")]
+    assert any(f'{LANE_LABEL}="colocated"' in line and line.endswith(" 0.0") for line in gauge), gauge

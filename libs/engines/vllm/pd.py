@@ -68,7 +68,12 @@ class VllmPrefillDecode:
 
     @property
     def active(self) -> int:
-        return self._active
+        """Requests in this service's streams, or still held by vLLM (its own count: a cancelled
+        request is done only once vLLM aborted it and freed its blocks)."""
+        held = 0
+        if self.supervisor.alive:
+            held = int(self.supervisor.current().get_num_unfinished_requests())
+        return max(self._active, held)
 
     def watch_health(self, setter: Any) -> None:
         self.supervisor.watch_health(setter)

@@ -1,0 +1,216 @@
+"""Kubernetes manifests (deploy/k8s): rendered from the stack descriptions without drift, valid
+against the Kubernetes schemas (kubernetes-validate, strict), and in agreement with the services:
+every ConfigMap key is a setting of that role, and the ports, probes, grace period and addresses
+the manifests use are the ones the settings say."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from libs.cli.deploy import K8S, STACKS, drift, rendered
+from libs.config.settings import load_settings
+from libs.launch.config import load_description, parse_description
+from libs.launch.k8s import (
+    EXIT_MARGIN_S,
+    LANE_LABEL,
+    OCCUPANCY_METRIC,
+    documents,
+    overlay_files,
+    render,
+)
+from tests.launch.test_config import SETTINGS
+
+KUBERNETES_VERSION = "1.33.0"
+DESCRIPTIONS = sorted(STACKS.glob("*.yaml"))
+
+
+def _committed() -> dict[Path, list[dict[str, Any]]]:
+    return {path: list(documents(path.read_text())) for path in sorted(K8S.rglob("*.yaml"))}
+
+
+def _by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def _validate(doc: dict[str, Any]) -> None:
+    if doc["kind"] == "Kustomization":
+        return  # not an API object: checked by building it (below)
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_committed_manifests_are_what_the_descriptions_render() -> None:
+    files = rendered(DESCRIPTIONS, K8S)
+    assert drift(files, K8S) == [], "deploy/k8s is stale: run `epd deploy render`"
+    assert len(files) == len(list(K8S.rglob("*.yaml")))
+
+
+def test_drift_is_detected(tmp_path: Path) -> None:
+    files = rendered(DESCRIPTIONS, tmp_path)
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    target = tmp_path / "overlays" / "e-p-d" / "encoder.yaml"
+    target.write_text(target.read_text().replace("EPD_GRACE_S: '10'", "EPD_GRACE_S: '11'"))
+    (tmp_path / "overlays" / "e-p-d" / "extra.yaml").write_text("{}\n")
+    assert drift(files, tmp_path) == [
+        f"{target}: differs",
+        f"{tmp_path / 'overlays' / 'e-p-d' / 'extra.yaml'}: not rendered from any description",
+    ]
+
+
+def test_every_committed_manifest_is_valid_kubernetes() -> None:
+    kinds: dict[str, int] = {}
+    for docs in _committed().values():
+        for doc in docs:
+            _validate(doc)
+            kinds[doc["kind"]] = kinds.get(doc["kind"], 0) + 1
+    for kind in ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "HorizontalPodAutoscaler"):
+        assert kinds.get(kind), f"no {kind} rendered"
+    assert kinds["NetworkPolicy"] == 1 and kinds["ServiceAccount"] == 1
+
+
+def test_variants_render_valid_kubernetes() -> None:
+    """TLS (cert-manager CSI volumes, token secret), a model volume and a LoadBalancer router."""
+    base = load_description(STACKS / "e-p-d.yaml").raw
+    doc = {
+        **base,
+        "tls": {"enabled": True},
+        "model": {**base["model"], "volume_claim": "epd-models"},
+        "kubernetes": {**base["kubernetes"], "router_service_type": "LoadBalancer"},
+    }
+    desc = parse_description(doc, Path("variant.yaml"))
+    docs = [d for text in overlay_files(desc, "variant.yaml").values() for d in documents(text)]
+    for d in docs:
+        _validate(d)
+    encoder = _by_kind(docs, "Deployment")["epd-encoder"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in encoder["volumes"]}
+    assert volumes["tls"]["csi"]["volumeAttributes"]["csi.cert-manager.io/common-name"] == "epd-encoder"
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "epd-models", "readOnly": True}
+    router = _by_kind(docs, "Deployment")["epd-router"]["spec"]["template"]["spec"]
+    assert {v["name"] for v in router["volumes"]} == {"tls", "tokens"}
+    # Probes never need TLS: the plaintext health port, as without TLS.
+    assert encoder["containers"][0]["readinessProbe"]["grpc"]["port"] == desc["telemetry"]["health_port"]
+    config = _by_kind(docs, "ConfigMap")["epd-router"]["data"]
+    assert config["EPD_AUTH_TOKENS_FILE"] == "/etc/epd/tokens/tokens" and config["EPD_TLS_CA"] == "/etc/epd/tls/ca.crt"
+
+
+def test_an_invalid_manifest_is_refused() -> None:
+    """The validator is not a no-op: a Deployment with a string replica count fails."""
+    deployment = _by_kind(next(iter(v for k, v in _committed().items() if k.name == "encoder.yaml")), "Deployment")
+    doc = dict(deployment["epd-encoder"])
+    doc["spec"] = {**doc["spec"], "replicas": "two"}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate(doc)
+
+
+def _settings(role: str, config: dict[str, str]) -> Any:
+    cls = SETTINGS[role]
+    names = {"EPD_" + f.name.upper() for f in dataclasses.fields(cls)}
+    unknown = set(config) - names
+    assert not unknown, f"{role}: ConfigMap keys that are no setting of the service: {unknown}"
+    return load_settings(cls, argv=[], env={**config, "EPD_HOST": "10.1.2.3"})
+
+
+@pytest.mark.parametrize("description", DESCRIPTIONS, ids=lambda p: p.stem)
+def test_manifests_agree_with_the_services_settings(description: Path) -> None:
+    desc = load_description(description)
+    overlay = K8S / "overlays" / desc.name
+    docs = [d for path in sorted(overlay.glob("*.yaml")) for d in documents(path.read_text())]
+    deployments, services = _by_kind(docs, "Deployment"), _by_kind(docs, "Service")
+    configs = _by_kind(docs, "ConfigMap")
+    namespace = desc["kubernetes"]["namespace"]
+    for role in desc.roles:
+        name = f"epd-{role}"
+        settings = _settings(role, configs[name]["data"])
+        pod = deployments[name]["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["command"] == ["python", "-m", f"services.{role}"]
+        assert container["envFrom"] == [{"configMapRef": {"name": name}}]
+        assert container["env"][0]["name"] == "EPD_HOST"
+        assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports == {"grpc": settings.port, "health": settings.health_port, "metrics": settings.metrics_port}
+        assert settings.host == "10.1.2.3"  # from the pod, not the ConfigMap
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": settings.health_port}, (role, probe)
+        annotations = deployments[name]["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == str(settings.metrics_port)
+        prestop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert pod["terminationGracePeriodSeconds"] >= prestop + settings.grace_s + EXIT_MARGIN_S
+        service = services[name]["spec"]
+        assert service["ports"][0]["port"] == settings.port and service["ports"][0]["targetPort"] == "grpc"
+        assert service["selector"].items() <= deployments[name]["spec"]["template"]["metadata"]["labels"].items()
+        if role in ("encoder", "prefill", "decode", "pd", "colocated"):
+            assert (settings.ucx_tls, settings.ucx_net_devices) == ("tcp", "eth0")
+            assert settings.pool_mib == desc["transport"]["pool_mib"]
+    if "router" in desc.roles:
+        router = _settings("router", configs["epd-router"]["data"])
+        encoder = desc.roles["encoder"]
+        assert router.encoders == (f"dns:///epd-encoder.{namespace}.svc.cluster.local:{encoder.port}",)
+        assert services["epd-encoder"]["spec"]["clusterIP"] == "None"  # headless: one A record per encoder
+        encoder_prestop = deployments["epd-encoder"]["spec"]["template"]["spec"]["containers"][0]["lifecycle"]
+        # A terminating encoder keeps working until routers re-resolved without it.
+        assert encoder_prestop["preStop"]["sleep"]["seconds"] >= router.discovery_refresh_s
+        for backend in ("prefill", "decode", "pd"):
+            if backend in desc.roles:
+                port = services[f"epd-{backend}"]["spec"]["ports"][0]["port"]
+                assert getattr(router, backend) == f"epd-{backend}.{namespace}.svc.cluster.local:{port}"
+    if desc.store_enabled:
+        master = services["epd-store-master"]["spec"]["ports"][0]["port"]
+        for role in ("encoder", "router"):
+            assert _settings(role, configs[f"epd-{role}"]["data"]).cache_master.endswith(f":{master}")
+        assert {"epd-store-master", "epd-store-holder"} <= set(deployments)
+
+
+def test_the_encoder_autoscaler_reads_the_occupancy_gauge() -> None:
+    docs = list(documents((K8S / "overlays" / "e-p-d" / "encoder.yaml").read_text()))
+    (hpa,) = _by_kind(docs, "HorizontalPodAutoscaler").values()
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["pods"]["metric"] == {"name": OCCUPANCY_METRIC, "selector": {"matchLabels": {LANE_LABEL: "encoder"}}}
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "epd-encoder"
+    assert "replicas" not in _by_kind(docs, "Deployment")["epd-encoder"]["spec"]  # the autoscaler owns it
+
+
+def _kustomize_build(overlay: Path) -> list[tuple[str, str]]:
+    """What `kustomize build` includes (resources, recursively): (kind, name) pairs."""
+    import yaml
+
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    found = []
+    for resource in kustomization["resources"]:
+        target = (overlay / resource).resolve()
+        if target.is_dir():
+            found += _kustomize_build(target)
+        else:
+            assert target.exists(), f"{overlay}: {resource} missing"
+            found += [(d["kind"], d["metadata"]["name"]) for d in documents(target.read_text())]
+    return found
+
+
+@pytest.mark.parametrize("description", DESCRIPTIONS, ids=lambda p: p.stem)
+def test_each_overlay_builds_with_the_base(description: Path) -> None:
+    overlay = K8S / "overlays" / load_description(description).name
+    expected = sorted(_kustomize_build(overlay))
+    assert ("ServiceAccount", "epd") in expected and ("NetworkPolicy", "epd-internal") in expected
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (with its built-in kustomize) is not installed: resources checked by file only")
+    out = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=60, check=True)
+    built = list(documents(out.stdout))
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in built) == expected
+    namespace = load_description(description)["kubernetes"]["namespace"]
+    assert all(d["metadata"].get("namespace") == namespace for d in built)
+
+
+def test_render_writes_one_overlay_per_description(tmp_path: Path) -> None:
+    descs = [load_description(p) for p in DESCRIPTIONS]
+    files = render(descs, tmp_path)
+    overlays = {p.parent.name for p in files if p.parent.parent.name == "overlays"}
+    assert overlays == {d.name for d in descs}
