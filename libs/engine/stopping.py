@@ -28,6 +28,10 @@ class TextStream:
         # Decoding starts from the previous token so multi-token characters join correctly.
         self.ids: list[int] = [] if last_token_id is None else [last_token_id]
         self.base = self._decode(self.ids)
+        if self.base.endswith("\ufffd"):
+            # That token's bytes did not decode alone, so `push` held its text back: it is not in
+            # `generated_text` yet and must come out with the next tokens (as in one process).
+            self.base = ""
         self.text = generated_text
         self.released = len(generated_text) - held_suffix(generated_text, stops)
 

@@ -2,9 +2,10 @@
 reaches the session stack's prefill and decode (or PD) through an interposer (a real gRPC server in
 this process, tests/services/interposer.py) that acts on a request before forwarding it.
 
-- An embedding gone between encode and prefill (its lease released at the encoder, or its handle
-  past its expiry): the real prefill / PD fails the request with DATA_LOSS / NOT_FOUND, the router
-  re-encodes before any token was streamed, and the client gets the model's own tokens.
+- An embedding gone or damaged between encode and prefill (its lease released at the encoder, its
+  handle past its expiry, or bytes that no longer match the handle's checksum): the real prefill /
+  PD fails the request with NOT_FOUND / DATA_LOSS, the router re-encodes before any token was
+  streamed, and the client gets the model's own tokens.
 - A request that goes away (client cancel, deadline) before decode (or PD) reads what it holds:
   the router gives back the KV cache's lease at prefill (the embeddings' leases at the encoders).
 """
@@ -82,10 +83,11 @@ def _encoded_handles(request: Any) -> list[Any]:
 @pytest.mark.parametrize(
     ("layout", "how", "code"),
     [
-        ("e/p/d", "released", "DATA_LOSS"),  # the slot was freed and poisoned: the read fails its CRC
+        ("e/p/d", "released", "NOT_FOUND"),  # the slot was freed: its lease stamp is gone
         ("e/p/d", "expired", "NOT_FOUND"),  # the handle says its lease is over: refused before reading
-        ("e+pd", "released", "DATA_LOSS"),
-        ("e+pd", "expired", "NOT_FOUND"),
+        ("e/p/d", "corrupted", "DATA_LOSS"),  # the bytes read do not match the handle's CRC-32
+        ("e+pd", "released", "NOT_FOUND"),
+        ("e+pd", "corrupted", "DATA_LOSS"),
     ],
 )
 def test_embedding_gone_before_prefill_is_re_encoded(
@@ -101,10 +103,14 @@ def test_embedding_gone_before_prefill_is_re_encoded(
         leases.append([h.lease_id for h in handles])
         if len(leases) > 1:
             return  # the retry goes through untouched
+        if how == "corrupted":  # as if the bytes had changed since the encoder checksummed them
+            for handle in handles:
+                handle.tensors[0].checksum.value ^= 1
+            return
         by_producer: dict[str, list[str]] = {}
         for handle in handles:
             by_producer.setdefault(handle.agent.producer_address, []).append(handle.lease_id)
-        # What lease expiry does at the encoder: the slots are freed (and poisoned).
+        # What lease expiry does at the encoder: the slots are freed.
         assert await interposer.release_leases(by_producer) == len(handles)
         if how == "expired":  # ... and what the handle then says: its lease is over
             for handle in handles:

@@ -37,7 +37,7 @@ from libs.launch.stack import Stack, StackSpec
 from libs.serving.convert import media_input
 from libs.telemetry.report import breakdowns
 from libs.telemetry.spans import by_trace, load_jsonl
-from tests.services.conftest import MIXES, run_requests, wait_pools_empty
+from tests.services.conftest import MIXES, pool_stats, run_requests, wait_pools_empty
 from tests.services.golden import request_for
 
 
@@ -135,7 +135,12 @@ def test_router_short_circuit_and_a_store_killed_mid_load(model_path: Path, tmp_
                     30,
                     "the router's lookups of the in-flight items",
                 )
-                time.sleep(0.3)  # the encoder's loads are now waiting on the frozen holder
+                # The cache-only jobs are in the encoder, their loads waiting on the frozen holder.
+                _wait_for(
+                    lambda: pool_stats(b.processes["encoder-0"].address).requests_in_flight > 0,
+                    30,
+                    "a cache-only job in the encoder",
+                )
                 os.kill(store.holder.pid, signal.SIGKILL)
                 os.kill(store.master.pid, signal.SIGKILL)
                 results = pending.result(timeout=120)
@@ -169,7 +174,9 @@ def _check_short_circuit_traces(path: Path, request_ids: set[str]) -> None:
         assert breakdown.parts["cache_load"] > 0 and breakdown.parts["encode"] == 0
 
 
-def _encoder_namespace(address: str, dtype: str) -> tuple[Namespace, service_info_pb2.EncoderCacheInfo]:
+def _encoder_namespace(
+    address: str, dtype: str, preprocessing: str
+) -> tuple[Namespace, service_info_pb2.EncoderCacheInfo]:
     with grpc.insecure_channel(address) as channel:
         info = (
             service_info_pb2_grpc.ServiceInfoServiceStub(channel)
@@ -177,7 +184,8 @@ def _encoder_namespace(address: str, dtype: str) -> tuple[Namespace, service_inf
             .info
         )
     model = info.model
-    return Namespace(model.model_id, model.revision, model.weights_digest, dtype), info.encoder_cache
+    namespace = Namespace(model.model_id, model.revision, model.weights_digest, dtype, preprocessing=preprocessing)
+    return namespace, info.encoder_cache
 
 
 @pytest.mark.timeout(240)
@@ -201,7 +209,9 @@ def test_poisoned_store_entries_are_never_served(
     requests = {name: request_for(MIXES[name]) for name in names}
     with Stack(spec).running() as stack:
         assert stack.store is not None
-        namespace, cache_info = _encoder_namespace(stack.processes["encoder-0"].address, dtype_name(runner.dtype))
+        namespace, cache_info = _encoder_namespace(
+            stack.processes["encoder-0"].address, dtype_name(runner.dtype), runner.preprocessing_digest
+        )
         assert cache_info.shared_store and cache_info.key_prefix == namespace.key_prefix
         client = MooncakeStoreClient(StoreConfig(stack.store.master_address))
         try:

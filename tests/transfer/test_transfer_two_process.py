@@ -294,7 +294,9 @@ def test_acks_go_out_from_the_service_thread_and_on_close(producer_peer: PeerPro
     assert stats["leases"]["acked"] == acked_before + 4 and stats["leases"]["active"] == 0
 
 
-@pytest.mark.timeout(30)
+# The module's last test: its limit also covers stopping the module's peer processes, which a loaded
+# host stretches well past the test itself (seen: 50 s).
+@pytest.mark.timeout(180)
 def test_idle_agent_uses_almost_no_cpu(producer_peer: PeerProcess) -> None:
     producer_peer.wait_leases_settled()
     before, started = producer_peer.cpu_seconds(), time.monotonic()

@@ -1,0 +1,118 @@
+"""Drain on SIGTERM in the colocated and E+PD layouts (E/P/D: the rolling upgrade in
+test_versions.py): requests in flight when the signal arrives finish with every token, new ones
+are refused as "draining" (UNAVAILABLE), and the process exits 0 within its grace period. For E+PD
+the PD service is drained under a router of its own over the session stack's encoders, which get
+every embedding lease back."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from libs.client.generate import GenerationResult, build_request, generate, open_channel
+from libs.contract.epd.v1 import generate_pb2, generate_pb2_grpc, sampling_pb2
+from libs.launch.process import ServiceProcess
+from libs.launch.stack import Stack
+from tests.services.conftest import MIXES, wait_pools_empty
+from tests.services.golden import request_for
+
+TOKENS = 256  # in flight for a good while after the signal, done well within the grace period
+GRACE = ["--grace-s", "120"]
+
+
+def _long(name: str, request_id: str) -> generate_pb2.GenerateRequest:
+    return request_for(MIXES[name], max_tokens=TOKENS, request_id=request_id)
+
+
+async def _drained(
+    address: str, process: ServiceProcess, names: list[str], probe: bool
+) -> tuple[list[GenerationResult], list[str]]:
+    """Stream one request per mix name; once each has its first token, SIGTERM `process`; with
+    `probe`, send one-token requests until one is refused. The finished streams, and the status
+    of each probe ("OK" for those that got in before the signal took effect)."""
+    async with open_channel(address) as channel:
+        started = [asyncio.Event() for _ in names]
+
+        async def one(i: int, name: str) -> GenerationResult:
+            return await generate(channel, _long(name, f"drain-{i}"), timeout_s=300, on_text=lambda _: started[i].set())
+
+        streams = [asyncio.ensure_future(one(i, name)) for i, name in enumerate(names)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+        assert process.process is not None
+        process.process.send_signal(signal.SIGTERM)
+        probes: list[str] = []
+        if probe:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            one_token = sampling_pb2.SamplingParams(max_tokens=1)
+            for n in range(200):  # bounded: the signal is handled within moments
+                try:
+                    async for _ in stub.Generate(
+                        build_request("hi", sampling=one_token, request_id=f"probe-{n}"), timeout=30
+                    ):
+                        pass
+                    probes.append("OK")
+                except grpc.aio.AioRpcError as exc:
+                    probes.append(f"{exc.code().name}: {exc.details()}")
+                    break
+                await asyncio.sleep(0.01)
+        return list(await asyncio.gather(*streams)), probes
+
+
+def _check_finished(results: list[GenerationResult]) -> None:
+    for result in results:
+        assert (len(result.token_ids), result.finish_reason) == (TOKENS, "FINISH_REASON_LENGTH"), result.request_id
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_colocated_drains_in_flight_requests_and_refuses_new_ones(model_path: Path, tmp_path: Path) -> None:
+    service = ServiceProcess(
+        "colocated", "services.colocated", ["--model", str(model_path), *GRACE], log_path=tmp_path / "colocated.log"
+    )
+    service.start()
+    try:
+        service.wait_ready(120)
+        results, probes = asyncio.run(_drained(service.address, service, ["image", "audio", "text"], probe=True))
+        assert service.process is not None
+        assert service.process.wait(120) == 0  # exits by itself once drained, cleanly
+    finally:
+        service.stop()
+    _check_finished(results)
+    *admitted, refused = probes
+    assert set(admitted) <= {"OK"} and refused.startswith("UNAVAILABLE: ") and "draining" in refused, probes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pd_drains_in_flight_requests(stacks: Callable[[str], Stack], model_path: Path, tmp_path: Path) -> None:
+    stack = stacks("e+pd")
+    pd = ServiceProcess(
+        "pd", "services.pd", ["--model", str(model_path), "--pool-mib", "64", *GRACE], log_path=tmp_path / "pd.log"
+    )
+    pd.start()
+    router = None
+    try:
+        pd.wait_ready(120)
+        encoders = ",".join(p.address for n, p in stack.processes.items() if n.startswith("encoder-"))
+        router = ServiceProcess(
+            "router",
+            "services.router",
+            ["--layout", "e+pd", "--encoders", encoders, "--pd", pd.address],
+            log_path=tmp_path / "router.log",
+        )
+        router.start()
+        router.wait_ready(60)
+        results, _ = asyncio.run(_drained(router.address, pd, ["two_images", "audio_image", "video"], probe=False))
+        assert pd.process is not None
+        assert pd.process.wait(120) == 0
+    finally:
+        if router is not None:
+            assert router.stop() == 0
+        pd.stop()
+    _check_finished(results)
+    wait_pools_empty(stack)  # the drained PD read (and acked) every embedding it was sent

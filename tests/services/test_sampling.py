@@ -1,0 +1,122 @@
+"""Sampling through the services of every layout (the session stacks): a seeded temperature sample
+is reproducible, the same in every layout (the seed stream continues from prefill into another
+decode process), and not the greedy answer; stop sequences and stop token ids end the stream where
+the greedy text and tokens say; the streamed text is the tokenizer's decoding of the streamed tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from libs.client.generate import GenerationResult
+from libs.contract.epd.v1 import generate_pb2
+from libs.launch.stack import Stack
+from tests.services.conftest import MIXES, run_requests
+from tests.services.golden import request_for
+
+LAYOUTS = ["colocated", "e+pd", "e/p/d"]
+TOKENS = 24
+
+
+def _slug(layout: str) -> str:
+    return layout.replace("/", "").replace("+", "")
+
+
+@cache
+def _tokenizer(model_path: Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(model_path))  # the checkpoint's own tokenizer files
+
+
+def _request(name: str, request_id: str, **sampling: Any) -> generate_pb2.GenerateRequest:
+    request = request_for(MIXES[name], max_tokens=TOKENS, request_id=request_id)
+    for key, value in sampling.items():
+        if isinstance(value, list):
+            getattr(request.sampling, key).extend(value)
+        else:
+            setattr(request.sampling, key, value)
+    return request
+
+
+def _one(stack: Stack, request: generate_pb2.GenerateRequest) -> GenerationResult:
+    (result,) = run_requests(stack.address, [request])
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_seeded_sampling_is_reproducible_in_every_layout_and_not_greedy(stacks: Callable[[str], Stack]) -> None:
+    seeded: dict[str, list[list[int]]] = {}
+    for layout in LAYOUTS:
+        stack = stacks(layout)
+        requests = [_request("image", f"seed7-{i}", temperature=1.0, seed=7) for i in range(2)] + [
+            _request("image", "seed8", temperature=1.0, seed=8)
+        ]
+        seeded[layout] = [r.token_ids for r in run_requests(stack.address, requests)]
+        greedy = _one(stack, _request("image", "greedy")).token_ids
+        same_a, same_b, other_seed = seeded[layout]
+        assert same_a == same_b, layout  # same seed, same tokens (two concurrent requests)
+        assert other_seed != same_a, layout  # another seed, another sample
+        assert same_a != greedy, layout  # temperature 1 does sample
+    # The seed stream is the same wherever the steps run: prefill's process, then decode's.
+    assert seeded["e+pd"][0] == seeded["e/p/d"][0] == seeded["colocated"][0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_streamed_text_is_the_decoding_of_the_streamed_tokens(
+    layout: str, stacks: Callable[[str], Stack], model_path: Path
+) -> None:
+    stack = stacks(layout)
+    names = sorted(MIXES)
+    results = run_requests(stack.address, [_request(n, f"text-{n}", temperature=0.8, seed=3) for n in names])
+    for name, result in zip(names, results, strict=True):
+        assert len(result.token_ids) == TOKENS or result.finish_reason == "FINISH_REASON_STOP", name
+        assert result.text == _tokenizer(model_path).decode(result.token_ids, skip_special_tokens=True), name
+
+
+def _stop_inside(text: str) -> str:
+    """A stop sequence that first occurs well inside `text` (so generation stops early)."""
+    for start in range(len(text) // 3, len(text) - 2):
+        candidate = text[start : start + 2]
+        if candidate.strip() and text.find(candidate) == start:
+            return candidate
+    raise AssertionError(f"no usable stop sequence in {text!r}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stop_sequence_ends_the_stream_before_it(layout: str, stacks: Callable[[str], Stack], model_path: Path) -> None:
+    stack = stacks(layout)
+    greedy = _one(stack, _request("audio_image", f"stopseq-greedy-{_slug(layout)}"))
+    stop = _stop_inside(greedy.text)
+    result = _one(stack, _request("audio_image", f"stopseq-{_slug(layout)}", stop=[stop, "never appears \x01"]))
+    assert result.finish_reason == "FINISH_REASON_STOP_SEQUENCE"
+    assert result.text == greedy.text[: greedy.text.find(stop)]  # the text before it, without it
+    n = len(result.token_ids)
+    assert 0 < n < len(greedy.token_ids) and result.token_ids == greedy.token_ids[:n]
+    decode = _tokenizer(model_path).decode
+    # Its last token completed the stop sequence: without it, the text does not hold it yet.
+    assert stop in decode(result.token_ids, skip_special_tokens=True)
+    assert stop not in decode(result.token_ids[:-1], skip_special_tokens=True)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stop_token_id_ends_the_stream_at_it(layout: str, stacks: Callable[[str], Stack], model_path: Path) -> None:
+    stack = stacks(layout)
+    for name in sorted(MIXES):  # a mix whose greedy tokens have a new token past the first two
+        greedy = _one(stack, _request(name, f"stopid-greedy-{name}-{_slug(layout)}")).token_ids
+        fresh = [i for i in range(2, len(greedy)) if greedy[i] not in greedy[:i]]
+        if fresh:
+            break
+    else:
+        raise AssertionError("every mix repeats its first tokens")
+    at = fresh[0]  # past prefill's token and decode's first: the stop is seen in decode
+    result = _one(stack, _request(name, f"stopid-{_slug(layout)}", stop_token_ids=[greedy[at]]))
+    assert result.finish_reason == "FINISH_REASON_STOP"
+    assert result.token_ids == greedy[: at + 1]  # up to and with the stop token
+    assert result.text == _tokenizer(model_path).decode(greedy[:at], skip_special_tokens=True)  # not its text
