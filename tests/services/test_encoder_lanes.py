@@ -42,6 +42,7 @@ def _large(seed: int) -> media_pb2.MediaItem:
     return image
 
 
+@pytest.mark.slow  # an encoder of its own, and ~4 s of tower work
 @pytest.mark.timeout(240)
 def test_a_cached_only_hit_never_waits_behind_compute(model_path: Path, tmp_path: Path) -> None:
     encoder = ServiceProcess(

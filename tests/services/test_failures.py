@@ -356,6 +356,7 @@ def doomed_stack(model_path: Path, tmp_path_factory: pytest.TempPathFactory, rec
     stack.down()
 
 
+@pytest.mark.slow  # a stack of its own
 @pytest.mark.timeout(300)
 def test_encoder_killed_mid_load(doomed_stack: Stack, expected: dict[str, list[int]], receiver: OtlpReceiver) -> None:
     """SIGKILL one of two encoders while it holds work. The design's bound: a request whose items the
