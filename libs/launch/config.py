@@ -257,6 +257,7 @@ def role_settings(desc: StackDescription, role: str) -> dict[str, Value]:
         values["engine"] = desc["engine"]
     if role == "router":
         values["layout"] = desc.layout
+        values["discovery_refresh_s"] = desc["discovery"]["refresh_s"]
     values |= desc.roles[role].settings
     return values
 

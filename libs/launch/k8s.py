@@ -86,7 +86,6 @@ def role_environment(desc: StackDescription, role: str) -> dict[str, str]:
         values["cache_master"] = f"{service_host(desc, STORE_MASTER)}:{store['master_port']}"
     if role == "router":
         values["encoders"] = f"dns:///{service_host(desc, 'encoder')}:{desc.roles['encoder'].port}"
-        values["discovery_refresh_s"] = desc["discovery"]["refresh_s"]
         for backend in ("prefill", "decode", "pd"):
             if backend in desc.roles:
                 values[backend] = f"{service_host(desc, backend)}:{desc.roles[backend].port}"

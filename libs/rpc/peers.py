@@ -123,6 +123,14 @@ class PeerDirectory:
         """Drop the cached info of `address` (e.g. after it failed); the next call re-reads it."""
         self._infos.pop(address, None)
 
+    async def drop(self, address: str) -> None:
+        """Close the channel to a peer that left (a later call to it opens a new one)."""
+        channel = self._channels.pop(address, None)
+        self._infos.pop(address, None)
+        self._locks.pop(address, None)
+        if channel is not None:
+            await channel.close(1.0)  # a moment for calls still on it (lease releases)
+
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close(None)

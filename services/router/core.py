@@ -273,7 +273,7 @@ class Router:
             tried.add(address)
             if key is not None:
                 self._encoders.remember(key, address)  # concurrent requests for the item follow it here
-            self._encoders.outstanding[address] += 1
+            self._encoders.begin(address)
             try:
                 with phase(
                     "epd.encode.item",
@@ -292,11 +292,11 @@ class Router:
                     span.set_attribute("epd.cache.policy", encoder_pb2.CachePolicy.Name(job.cache_policy))
                     reply = await self._backends.encoder(address).Encode(job, timeout=_remaining(deadline))
             except FailedPrecondition:
-                if len(tried) < len(self._encoders.outstanding):
+                if len(tried) < self._encoders.size:
                     continue  # an incompatible encoder: try a compatible one
                 raise
             except Unavailable:
-                if len(tried) < 2 and len(tried) < len(self._encoders.outstanding):
+                if len(tried) < 2 and len(tried) < self._encoders.size:
                     continue  # unreachable at first contact: one retry elsewhere, as for Encode
                 raise
             except grpc.aio.AioRpcError as exc:
@@ -307,7 +307,9 @@ class Router:
                     compute = True
                     tried.discard(address)
                     continue
-                if exc.code() in _RETRYABLE_ENCODE and len(tried) < 2 and len(tried) < len(self._encoders.outstanding):
+                if stopping(exc.code(), exc.details()):
+                    self._encoders.draining(address)  # leaving: other encoders take its work
+                if exc.code() in _RETRYABLE_ENCODE and len(tried) < 2 and len(tried) < self._encoders.size:
                     _log.warning("encoder failed; retrying elsewhere", encoder=address, code=exc.code().name)
                     continue
                 if await drain.again(exc):
@@ -321,7 +323,7 @@ class Router:
                     raise InvalidArgument(f"media item {index}", details) from None
                 raise _rpc_error("encode", exc) from None
             finally:
-                self._encoders.outstanding[address] -= 1
+                self._encoders.end(address)
             if len(reply.items) != 1 or reply.items[0].layout.item_index != index:
                 raise RpcFailed("encode", grpc.StatusCode.INTERNAL, f"encoder {address} answered for other items")
             encoded: layout_pb2.EncodedMedia = reply.items[0]
@@ -335,7 +337,7 @@ class Router:
                     # Gone since it answered (killed, restarting): the embedding went with it, so
                     # this is an encode that failed, retried elsewhere like one.
                     await self._release_one(address, encoded.embeddings.lease_id)
-                    if len(tried) < 2 and len(tried) < len(self._encoders.outstanding):
+                    if len(tried) < 2 and len(tried) < self._encoders.size:
                         _log.warning("encoder gone after answering; encoding elsewhere", encoder=address)
                         continue
                     raise

@@ -28,8 +28,8 @@ from libs.rpc.main import ServiceParts, client_facing, service_main
 from libs.rpc.peers import PeerDirectory
 from services.router.cache_lookup import CacheLookup
 from services.router.core import Backends, Router
-from services.router.encoders import EncoderPool
 from services.router.handshake import BackendChecks
+from services.router.membership import MembershipError, encoder_pool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,14 @@ async def setup(settings: RouterSettings) -> ServiceParts:
         )
         store = MooncakeStoreClient(config)
     cache = CacheLookup(store)
-    router = Router(backends, EncoderPool(settings.encoders, slack=settings.affinity_slack), cache=cache)
+    try:
+        pool, membership = await encoder_pool(
+            settings.encoders, slack=settings.affinity_slack, refresh_s=settings.discovery_refresh_s, peers=peers
+        )
+    except MembershipError as exc:
+        raise SystemExit(f"router: {exc}") from None
+    membership.start()
+    router = Router(backends, pool, cache=cache)
     admission = Admission("router", settings.max_running, settings.max_waiting)
     info = service_info_pb2.ServiceInfo(
         contract_version=version.current(),
@@ -131,6 +138,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     )
 
     async def close() -> None:
+        await membership.stop()
         cache.close()
         await peers.close()
 
