@@ -45,6 +45,8 @@ class ServiceProcess:
     env: dict[str, str] = field(default_factory=dict)
     # The source tree to run the service from (another checkout runs another version).
     root: Path = ROOT
+    # A network namespace to run it in (`ip netns exec`, which execs: the PID is the service's).
+    netns: str | None = None
     process: subprocess.Popen[bytes] | None = None
     address: str = ""
     # Incarnations so far (a supervisor restarts a dead process with the same args).
@@ -60,9 +62,12 @@ class ServiceProcess:
         # The service stops itself if this process dies without stopping it (libs/rpc/main.py).
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "EPD_PARENT_PID": str(os.getpid()), **self.env}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.root), env.get("PYTHONPATH", "")) if p)
+        command = [sys.executable, "-m", self.module, *self.args]
+        if self.netns is not None:
+            command = ["ip", "netns", "exec", self.netns, *command]
         with self.log_path.open("ab" if self.starts else "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", self.module, *self.args],
+                command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
