@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 import grpc
+from opentelemetry import trace
 
 from libs.bench.arrivals import poisson_arrivals
 from libs.bench.mix import PlannedRequest
 from libs.bench.stats import RequestRecord
 
 T = TypeVar("T")
+_tracer = trace.get_tracer("epd.bench")
 # Sends one request, filling `record` (ttft, gaps, tokens, e2e or error) as the reply streams.
 Send = Callable[[PlannedRequest, RequestRecord], Awaitable[None]]
 
@@ -114,11 +116,20 @@ def grpc_sender(channel: grpc.aio.Channel, timeout_s: float = 300.0) -> Send:
     stub = generate_pb2_grpc.GenerateServiceStub(channel)
 
     async def send(planned: PlannedRequest, record: RequestRecord) -> None:
+        # A client span, when a tracer provider is installed: its context rides in the call's
+        # metadata, so the servers' spans of this request join a trace whose id we know.
+        with _tracer.start_as_current_span("bench.request") as span:
+            context = span.get_span_context()
+            if context.is_valid:
+                record.trace_id = format(context.trace_id, "032x")
+            await _stream(planned, record)
+
+    async def _stream(planned: PlannedRequest, record: RequestRecord) -> None:
         started = time.perf_counter()
         last = None
         async for response in stub.Generate(planned.request, timeout=timeout_s):
-            if not response.chunk.token_ids:
-                continue
+            if not response.chunk.token_ids and not response.chunk.finish_reason:
+                continue  # a first token that is the end of text arrives as a bare finish
             now = time.perf_counter()
             if last is None:
                 record.ttft_s = now - started

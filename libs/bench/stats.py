@@ -32,10 +32,11 @@ class RequestRecord:
     tokens: int = 0
     error: str = ""
     request_id: str = ""
+    trace_id: str = ""  # 32 hex digits when the client traced the request (joins the servers' spans)
 
     @property
     def ok(self) -> bool:
-        return not self.error and self.tokens > 0
+        return not self.error and not math.isnan(self.ttft_s)
 
     @property
     def mean_itl_s(self) -> float:

@@ -26,6 +26,9 @@ class PrefillSettings(ModelServiceSettings):
     """Prefill: metadata-only requests -> KV cache for decode + the first token."""
 
     pool_mib: int = setting(512, "registered tensor pool (embeddings read + KV published), in MiB")
+    accept_raw_media: bool = setting(
+        False, "benchmark baseline (P4) only: take raw media parts the router forwards and preprocess them"
+    )
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -45,7 +48,8 @@ async def setup(settings: PrefillSettings) -> ServiceParts:
     transport = Transport(transfer_config(settings, "prefill"), identity, produce=True, consume=True)
     engine = EngineThread("prefill")
     admission = Admission("prefill", settings.max_running, settings.max_waiting)
-    servicer = PrefillServicer(PrefillCore(PrefillRunner(runtime), transport, engine), admission)
+    core = PrefillCore(PrefillRunner(runtime), transport, engine, accept_raw_media=settings.accept_raw_media)
+    servicer = PrefillServicer(core, admission)
     return model_service_parts(
         (prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer, "epd.v1.PrefillService"),
         admission=admission,
