@@ -12,11 +12,19 @@ from libs.engine.prompt import Prompt, build_prompt
 from libs.engine.sequence import Sequence
 from libs.engine.types import ChatMessage, DecodeState, EncodedItem, PrefillResult, SamplingParams
 
+# Tokens per chunk when a service runs a prefill in chunks: small enough that a text request waits
+# ~a quarter of a second for the chunk in progress on the ~100M checkpoint on one core, large enough
+# that the per-forward overhead stays a few percent.
+CHUNK_TOKENS = 256
+
 
 class PrefillRunner:
-    def __init__(self, runtime: LanguageModelRuntime, *, default_max_tokens: int = 256) -> None:
+    def __init__(
+        self, runtime: LanguageModelRuntime, *, default_max_tokens: int = 256, chunk_tokens: int = CHUNK_TOKENS
+    ) -> None:
         self.runtime = runtime
         self.default_max_tokens = default_max_tokens
+        self.chunk_tokens = chunk_tokens  # prompt tokens per forward when run in chunks (services)
         self.specs = {spec.modality: spec for spec in runtime.expected_specs()}
 
     def _check_item(self, index: int, item: EncodedItem) -> None:
@@ -62,20 +70,65 @@ class PrefillRunner:
     def prefill(
         self, messages: list[ChatMessage], sampling: SamplingParams, *, return_logits: bool = False
     ) -> PrefillResult:
-        sequence = Sequence(self.runtime, sampling, default_max_tokens=self.default_max_tokens)
-        prompt = self.build(messages)
+        task = self.start(messages, sampling)
+        while not task.step(task.remaining):
+            pass
+        return task.finish(return_logits=return_logits)
+
+    def start(self, messages: list[ChatMessage], sampling: SamplingParams) -> PrefillTask:
+        """A prefill to run in chunks (`PrefillTask.step`), so that other work (short prefills, decode
+        steps) can run between them; `prefill` is start + every step + finish."""
+        return PrefillTask(self, messages, sampling)
+
+
+class PrefillTask:
+    """One prompt's prefill, forwarded `step(n)` tokens at a time into one KV cache. Chunking is
+    exact attention over the cached prefix (the same result up to float rounding); families with
+    extra per-token inputs (deepstack) run in one step."""
+
+    def __init__(self, runner: PrefillRunner, messages: list[ChatMessage], sampling: SamplingParams) -> None:
+        self.runner = runner
+        self.sequence = Sequence(runner.runtime, sampling, default_max_tokens=runner.default_max_tokens)
+        self.prompt = runner.build(messages)
         with torch.inference_mode():
-            embeds, positions, rope_delta, extras = self.inputs(prompt)
-            cache = DynamicCache()
-            logits = self.runtime.adapter.lm_forward(self.runtime.module, embeds, positions, cache, None, extras)
-            row = logits[0, -1].float()
-            token, chunk = sequence.advance(row)
-            kv = None if sequence.finished else export_kv(self.runtime, cache)
+            self.embeds, self.positions, self.rope_delta, self.extras = runner.inputs(self.prompt)
+        self.cache = DynamicCache()
+        self.done = 0
+        self.total = int(self.embeds.shape[1])
+        self.logits: torch.Tensor | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.total - self.done
+
+    def step(self, tokens: int) -> bool:
+        """Forward the next `tokens` prompt tokens (all of them with extras); True when finished."""
+        end = self.total if self.extras is not None or tokens <= 0 else min(self.total, self.done + tokens)
+        runtime = self.runner.runtime
+        with torch.inference_mode():
+            self.logits = runtime.adapter.lm_forward(
+                runtime.module,
+                self.embeds[:, self.done : end],
+                self.positions[:, :, self.done : end],
+                self.cache,
+                None,
+                self.extras,
+            )
+        self.done = end
+        return self.done >= self.total
+
+    def finish(self, *, return_logits: bool = False) -> PrefillResult:
+        """Sample the first token from the last chunk's logits and export the KV cache."""
+        assert self.logits is not None and self.remaining == 0, "finish() before every step ran"
+        with torch.inference_mode():
+            row = self.logits[0, -1].float()
+            token, chunk = self.sequence.advance(row)
+            kv = None if self.sequence.finished else export_kv(self.runner.runtime, self.cache)
         state = DecodeState(
             next_input_token_id=token,
-            rope_delta=rope_delta,
-            generated_tokens=sequence.generated,
-            generated_text=sequence.text,
-            prompt_tokens=len(prompt.input_ids),
+            rope_delta=self.rope_delta,
+            generated_tokens=self.sequence.generated,
+            generated_text=self.sequence.text,
+            prompt_tokens=len(self.prompt.input_ids),
         )
         return PrefillResult(chunk, kv, state, row.clone() if return_logits else None)

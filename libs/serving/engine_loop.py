@@ -2,17 +2,22 @@
 
 `EngineThread` is the one thread a process runs model code on: encode, prefill and decode steps
 are serialized there, so the event loop stays responsive and compute never oversubscribes the
-cores. `DecodeLoop` drives a `DecodeRunner` on that thread: while any sequence is active it runs
-batched steps and routes each sequence's chunks to its stream; a stream that ends early (client
-cancel, deadline) removes its sequence from the batch.
+cores; a priority queue decides the order (decode steps first, then the shortest prefill).
+`DecodeLoop` drives a `DecodeRunner` on that thread: while any sequence is active it runs batched
+steps and routes each sequence's chunks to its stream; a stream that ends early (client cancel,
+deadline) removes its sequence from the batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import itertools
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import structlog
@@ -24,18 +29,98 @@ T = TypeVar("T")
 _log = structlog.get_logger(__name__)
 
 
-class EngineThread:
-    """A single worker thread for model code."""
+@dataclass
+class _Job:
+    priority: float
+    seq: int
+    queued_at: float
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
 
-    def __init__(self, name: str = "engine") -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller gave up (cancelled) meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class EngineThread:
+    """A single worker thread for model code, with a priority queue in front of it.
+
+    `run` jobs (priority 0: decode steps, encodes, bookkeeping) go first, in arrival order; `run_at`
+    jobs with a larger priority (prefill chunks: their remaining prompt tokens) wait behind them, the
+    smallest first, so a short text prefill is not queued behind a long multimodal one (shortest
+    remaining first). A waiting job's priority falls by `aging_per_s` per second waited, so long
+    prefills are not starved. A job whose caller was cancelled before it started is skipped.
+    """
+
+    def __init__(self, name: str = "engine", *, aging_per_s: float = 100.0) -> None:
+        self._aging_per_s = aging_per_s
+        self._cv = threading.Condition()
+        self._queue: list[_Job] = []
+        self._seq = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=f"{name}_0", daemon=True)
+        self._thread.start()
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await self.run_at(0.0, fn, *args, **kwargs)
+
+    async def run_at(self, priority: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn` on the engine thread once no job of a smaller (aged) priority waits."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        future: asyncio.Future[T] = loop.create_future()
+        job = _Job(priority, next(self._seq), time.monotonic(), functools.partial(fn, *args, **kwargs), loop, future)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("engine thread shut down")
+            self._queue.append(job)
+            self._cv.notify()
+        return await future
+
+    def queued(self) -> int:
+        with self._cv:
+            return len(self._queue)
+
+    def _next(self) -> _Job:
+        now = time.monotonic()
+        job = min(self._queue, key=lambda j: (j.priority - self._aging_per_s * (now - j.queued_at), j.seq))
+        self._queue.remove(job)
+        return job
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._next()
+            if job.future.cancelled():
+                continue
+            result, error = None, None
+            try:
+                result = job.fn()
+            except BaseException as exc:  # delivered to the caller, as an executor would
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
+                job.loop.call_soon_threadsafe(_settle, job.future, result, error)
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Cancel what has not started, let the running job finish, stop the thread."""
+        with self._cv:
+            self._closed = True
+            pending, self._queue = self._queue, []
+            self._cv.notify_all()
+        for job in pending:
+            with contextlib.suppress(RuntimeError):
+                job.loop.call_soon_threadsafe(job.future.cancel)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
 
 class DecodeLoop:

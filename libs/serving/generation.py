@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+
+from opentelemetry import trace
 
 from libs.contract.epd.v1 import chat_pb2, generation_pb2
 from libs.engine import types as eng
-from libs.engine.prefill_runner import PrefillRunner
+from libs.engine.prefill_runner import PrefillRunner, PrefillTask
 from libs.serving.convert import chunk_to_wire, engine_errors, messages_to_engine
 from libs.serving.embeddings import FetchedItems, fetch_encoded
 from libs.serving.engine_loop import DecodeLoop, EngineThread
 from libs.serving.transport import Transport
 from libs.telemetry.stages import record_duration, stage, start_phase
 
+T = TypeVar("T")
 Streamed = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
 
 
@@ -28,7 +32,7 @@ async def run_prefill(
     """Prefill on the engine thread; the fetched embedding slots go back once the engine is done
     with them - even when the caller is cancelled mid-prefill."""
     with stage("prefill.compute", "prefill") as span:
-        task = asyncio.ensure_future(engine.run(runner.prefill, messages_to_engine(messages, fetched.items), sampling))
+        task = asyncio.ensure_future(_chunked(engine, runner, messages_to_engine(messages, fetched.items), sampling))
         try:
             with engine_errors():
                 result = await asyncio.shield(task)
@@ -39,6 +43,31 @@ async def run_prefill(
                 task.add_done_callback(lambda _: fetched.release())
         span.set_attribute("epd.prompt_tokens", result.decode_state.prompt_tokens)
         return result
+
+
+async def _chunked(
+    engine: EngineThread, runner: PrefillRunner, messages: list[eng.ChatMessage], sampling: eng.SamplingParams
+) -> eng.PrefillResult:
+    """Prefill in chunks of `runner.chunk_tokens`, each queued by its remaining prompt tokens: between
+    two chunks of a long (multimodal) prompt the engine thread runs decode steps and shorter
+    prefills (`EngineThread`: shortest remaining first), so a text request does not wait for a whole
+    long prefill, nor do streams stall for one."""
+    busy = [0.0]  # seconds the engine thread spent on this prefill (for capacity planning)
+
+    def timed(fn: Callable[..., T], *args: Any) -> T:
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            busy[0] += time.perf_counter() - started
+
+    task: PrefillTask = await engine.run(timed, runner.start, messages, sampling)
+    chunks = 1
+    while not await engine.run_at(task.remaining, timed, task.step, runner.chunk_tokens):
+        chunks += 1
+    result: eng.PrefillResult = await engine.run(timed, task.finish)
+    trace.get_current_span().set_attributes({"epd.engine.busy_s": busy[0], "epd.prefill.chunks": chunks})
+    return result
 
 
 async def fetch_and_prefill(
