@@ -15,6 +15,8 @@ import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from libs.telemetry.stages import ATTRIBUTION
+
 _tracer = trace.get_tracer("epd.rpc")
 
 
@@ -26,7 +28,8 @@ def _span_name(method: str) -> str:
 
 def _rpc_attributes(method: str) -> dict[str, str]:
     service, _, rpc = method.lstrip("/").partition("/")
-    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
+    # A server span's own time is the service's bookkeeping (the router re-marks its root "router").
+    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc, ATTRIBUTION: "service"}
 
 
 class TracingServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]  # generic only in stubs

@@ -1,8 +1,10 @@
 """Latency attribution of requests from their spans (what `epd trace report` prints).
 
 For each request (a trace whose root is a `GenerateService/Generate` server span), time to first
-token (the root's `epd.ttft_s`) is split into the stages of `libs.telemetry.stages.STAGES`, plus
-`other` (RPC hops, serialization, router bookkeeping: time no stage span covers). The split is a
+token (the root's `epd.ttft_s`) is split into the stages of `libs.telemetry.stages.STAGES`, then
+time no stage span covers into `rpc` (hops: a caller's call span outside the callee's server
+span), `service` (a backend's bookkeeping) and `router` (the router's own), by the innermost span
+marked `epd.attribution`, and `other` (covered by no marked span either). The split is a
 partition: every instant between the request's start and its first token is attributed to exactly
 one category, so the parts add up to TTFT. Where stage spans overlap (media encoded in parallel),
 an instant goes to the active stage span that ends last: the one the request is waiting for (the
@@ -17,9 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from libs.telemetry.spans import SpanRecord, by_trace
-from libs.telemetry.stages import STAGES
+from libs.telemetry.stages import ATTRIBUTION, HOPS, STAGES
 
-CATEGORIES = (*STAGES, "other")
+CATEGORIES = (*STAGES, *HOPS, "other")
 ROOT_NAME = "GenerateService/Generate"
 
 
@@ -40,20 +42,30 @@ class RequestBreakdown:
 
 
 def _root(spans: list[SpanRecord]) -> SpanRecord | None:
-    roots = [s for s in spans if not s.parent_id and s.name == ROOT_NAME]
+    # A traced client's own span is the router span's parent but is not in the file: still the root.
+    ids = {s.span_id for s in spans}
+    roots = [s for s in spans if s.name == ROOT_NAME and (not s.parent_id or s.parent_id not in ids)]
     return min(roots, key=lambda s: s.start_ns) if roots else None
 
 
 def attribute(spans: list[SpanRecord], start_ns: int, end_ns: int) -> dict[str, float]:
     """Partition [start_ns, end_ns) among stage categories (see the module docstring)."""
-    staged = [
-        s for s in spans if s.attributes.get("epd.stage") in STAGES and s.end_ns > start_ns and s.start_ns < end_ns
-    ]
-    cuts = sorted({start_ns, end_ns, *(max(start_ns, min(end_ns, t)) for s in staged for t in (s.start_ns, s.end_ns))})
+    inside = [s for s in spans if s.end_ns > start_ns and s.start_ns < end_ns]
+    staged = [s for s in inside if s.attributes.get("epd.stage") in STAGES]
+    marked = [s for s in inside if s.attributes.get(ATTRIBUTION) in HOPS and "epd.stage" not in s.attributes]
+    edges = (max(start_ns, min(end_ns, t)) for s in (*staged, *marked) for t in (s.start_ns, s.end_ns))
+    cuts = sorted({start_ns, end_ns, *edges})
     parts = dict.fromkeys(CATEGORIES, 0.0)
     for lo, hi in itertools.pairwise(cuts):
         active = [s for s in staged if s.start_ns <= lo and s.end_ns >= hi]
-        category = str(max(active, key=lambda s: (s.end_ns, s.start_ns)).attributes["epd.stage"]) if active else "other"
+        if active:
+            category = str(max(active, key=lambda s: (s.end_ns, s.start_ns)).attributes["epd.stage"])
+        else:
+            # No stage: the innermost marked span (the one that started last) says whose time it is.
+            hops = [s for s in marked if s.start_ns <= lo and s.end_ns >= hi]
+            category = (
+                str(max(hops, key=lambda s: (s.start_ns, -s.end_ns)).attributes[ATTRIBUTION]) if hops else "other"
+            )
         parts[category] += (hi - lo) / 1e9
     return parts
 
@@ -94,7 +106,11 @@ def render_text(items: list[RequestBreakdown]) -> str:
         return "no request traces found (is the trace exporter on, and did the services shut down cleanly?)\n"
     columns = ["ttft", *CATEGORIES, "e2e"]
     header = f"{'request':<20} " + " ".join(f"{c:>10}" for c in columns) + f" {'tokens':>6}"
-    lines = ["time to first token split by stage (ms); 'other' = RPC hops and bookkeeping", header]
+    lines = [
+        "time to first token split by stage (ms); rpc = hops (call minus server span), service / router = "
+        "their bookkeeping, other = no span",
+        header,
+    ]
 
     def row(label: str, values: list[float], tokens: str) -> str:
         return f"{label:<20} " + " ".join(f"{v * 1e3:>10.2f}" for v in values) + f" {tokens:>6}"

@@ -18,6 +18,14 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Span
 
 STAGES = ("queue", "preprocess", "encode", "cache_load", "transfer", "prefill", "decode")
+# Where time outside every stage span goes (`epd trace report`): spans carrying `ATTRIBUTION` say
+# which of these their own time (not covered by a stage or an inner such span) is. "rpc": a
+# caller's span around one call, outside the callee's server span (the hop: serialisation, HTTP/2,
+# deserialisation, the callee's interceptors); "service": a backend's server span outside its
+# stage spans (validation, request bookkeeping); "router": the router's own request span outside
+# its calls (validation, hashing, building the metadata-only request, streaming the reply).
+ATTRIBUTION = "epd.attribution"
+HOPS = ("rpc", "service", "router")
 
 _tracer = trace.get_tracer("epd")
 _meter = metrics.get_meter("epd")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ from libs.contract.epd.v1 import (
     media_pb2,
     prefill_decode_pb2,
     prefill_pb2,
+    sampling_pb2,
     service_info_pb2,
     tensor_pb2,
 )
@@ -45,7 +46,7 @@ from libs.contract.errors import DeadlineExceeded, EpdError, FailedPrecondition,
 from libs.contract.validation import Limits, validate_generate_request
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.retry import stopping
-from libs.telemetry.stages import calls_under, phase, start_phase
+from libs.telemetry.stages import ATTRIBUTION, calls_under, phase, start_phase
 from services.router.cache_lookup import CacheLookup, item_hash
 from services.router.encoders import EncoderPool
 
@@ -164,6 +165,7 @@ class Router:
         encoders: EncoderPool,
         limits: Limits | None = None,
         cache: CacheLookup | None = None,
+        forward_media: bool = False,
     ) -> None:
         if backends.prefill_decode is None and (backends.prefill is None or backends.decode is None):
             raise ValueError("need prefill and decode stubs (E/P/D) or a prefill-decode stub (E+PD)")
@@ -171,6 +173,8 @@ class Router:
         self._encoders = encoders
         self._limits = limits or Limits()
         self._cache = cache or CacheLookup(None)
+        # P4 benchmark baseline only: raw media after each encoded part (libs/serving/raw_media.py).
+        self._forward_media = forward_media
 
     async def generate(
         self, request: generate_pb2.GenerateRequest, deadline: float | None = None
@@ -181,6 +185,7 @@ class Router:
         root = trace.get_current_span()  # the server span of this Generate call
         root.set_attributes(
             {
+                ATTRIBUTION: "router",  # its own time, outside calls and stages: router bookkeeping
                 "epd.request_id": state.request_id,
                 "gen_ai.operation.name": "chat",
                 "gen_ai.request.max_tokens": request.sampling.max_tokens,
@@ -252,7 +257,19 @@ class Router:
             for (out, _), item in zip(jobs, results, strict=True):
                 assert isinstance(item, layout_pb2.EncodedMedia)
                 out.encoded.CopyFrom(item)
+        if self._forward_media:
+            self._append_raw_media(request, messages)
         return messages
+
+    @staticmethod
+    def _append_raw_media(request: generate_pb2.GenerateRequest, messages: list[chat_pb2.ChatMessage]) -> None:
+        for src, dst in zip(request.messages, messages, strict=True):
+            rebuilt = chat_pb2.ChatMessage(role=dst.role)
+            for original, part in zip(src.parts, dst.parts, strict=True):
+                rebuilt.parts.add().CopyFrom(part)
+                if original.WhichOneof("kind") == "media":
+                    rebuilt.parts.add().media.CopyFrom(original.media)
+            dst.CopyFrom(rebuilt)
 
     async def _encode_one(
         self, state: RequestState, index: int, part: chat_pb2.ContentPart, deadline: float | None
@@ -278,6 +295,7 @@ class Router:
                 with phase(
                     "epd.encode.item",
                     **{
+                        ATTRIBUTION: "rpc",
                         "epd.item_index": index,
                         "epd.modality": media_pb2.Modality.Name(part.media.modality),
                         "epd.encoder": address,
@@ -343,6 +361,42 @@ class Router:
                     raise
             return encoded
 
+    async def warm_up(self, addresses: Sequence[str], image: bytes, timeout_s: float = 30.0) -> int:
+        """One tiny image request per encoder in `addresses`, through prefill and decode (E/P/D) or
+        PD, outside any client trace (services/router/warmup.py); returns the encoders warmed."""
+        warmed = 0
+        media = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=image)
+        for address in addresses:
+            state = RequestState(f"warm-up-{uuid.uuid4().hex[:8]}")
+            deadline = time.monotonic() + timeout_s
+            try:
+                with phase("router.warm_up", **{"epd.encoder": address}):
+                    if self._backends.check_backends is not None:
+                        await self._backends.check_backends()
+                    if self._backends.check_encoder is not None:
+                        await self._backends.check_encoder(address, None)
+                    job = encoder_pb2.EncodeRequest(
+                        request_id=state.request_id,
+                        items=[encoder_pb2.EncodeItem(item_index=0, media=media)],
+                        accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+                    )
+                    reply = await self._backends.encoder(address).Encode(job, timeout=_remaining(deadline))
+                    state.hold(reply.items[0].embeddings)
+                    parts = [chat_pb2.ContentPart(encoded=reply.items[0]), chat_pb2.ContentPart(text="warm-up")]
+                    request = generate_pb2.GenerateRequest(
+                        request_id=state.request_id,
+                        messages=[chat_pb2.ChatMessage(role=chat_pb2.CHAT_ROLE_USER, parts=parts)],
+                        sampling=sampling_pb2.SamplingParams(max_tokens=2),
+                    )
+                    async for _ in self._prefill_and_decode(list(request.messages), request, state, deadline):
+                        pass
+                warmed += 1
+            except (EpdError, grpc.aio.AioRpcError, IndexError) as exc:
+                _log.warning("warm-up failed; first contact waits for traffic", encoder=address, error=str(exc)[:200])
+            finally:
+                await self._release_all(state)
+        return warmed
+
     async def _in_shared_store(self, address: str, key: str | None) -> bool:
         """Whether the item is in the shared store of an encoder that can serve it from there."""
         if key is None:
@@ -367,7 +421,7 @@ class Router:
                 sampling=request.sampling,
                 priority=b.priority_for("pd", request.priority),
             )
-            span = start_phase("epd.prefill_decode")
+            span = start_phase("epd.prefill_decode", **{ATTRIBUTION: "rpc"})
             pd_call = None
             try:
                 with calls_under(span):
@@ -395,7 +449,7 @@ class Router:
             priority=b.priority_for("prefill", request.priority),
         )
         try:
-            with phase("epd.prefill"):
+            with phase("epd.prefill", **{ATTRIBUTION: "rpc"}):
                 drain = DrainWait(deadline)
                 while True:
                     try:
@@ -422,7 +476,7 @@ class Router:
             sampling=request.sampling,
             priority=b.priority_for("decode", request.priority),
         )
-        span = start_phase("epd.decode")
+        span = start_phase("epd.decode", **{ATTRIBUTION: "rpc"})
         replies = 0
         drain = DrainWait(deadline)
         call = None

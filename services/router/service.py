@@ -30,6 +30,7 @@ from services.router.cache_lookup import CacheLookup
 from services.router.core import Backends, Router
 from services.router.handshake import BackendChecks
 from services.router.membership import MembershipError, encoder_pool
+from services.router.warmup import tiny_png
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,12 @@ class RouterSettings(ClientAuthSettings, CommonSettings):
     )
     cache_lookup_timeout_s: float = setting(0.25, "longest wait for a store lookup before treating it as a miss")
     affinity_slack: int = setting(4, "extra outstanding jobs a new item's hash-preferred encoder may have")
+    warm_up: bool = setting(
+        True, "at start, send one tiny image request through every encoder and prefill/decode (first contact)"
+    )
+    forward_media: bool = setting(
+        False, "benchmark baseline (P4) only: also forward each item's raw media to prefill (--accept-raw-media)"
+    )
     max_request_s: float = setting(
         600.0, "longest a request may take, in seconds: the deadline of calls that set none (or a longer one)"
     )
@@ -127,7 +134,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     except MembershipError as exc:
         raise SystemExit(f"router: {exc}") from None
     membership.start()
-    router = Router(backends, pool, cache=cache)
+    router = Router(backends, pool, cache=cache, forward_media=settings.forward_media)
     admission = Admission("router", settings.max_running, settings.max_waiting)
     info = service_info_pb2.ServiceInfo(
         contract_version=version.current(),
@@ -156,6 +163,9 @@ async def setup(settings: RouterSettings) -> ServiceParts:
         # Mooncake's transfer engine picks its own ports: set the client up once ours is bound.
         on_started=cache.connect,
     )
+    if settings.warm_up:
+        # Before the server listens: launchers send traffic once it does (bounded; failures logged).
+        await router.warm_up(list(pool.outstanding), tiny_png())
     return client_facing(parts, settings)
 
 

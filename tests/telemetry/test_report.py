@@ -88,3 +88,25 @@ def test_breakdowns_take_the_window_from_the_root_and_keep_traces_apart() -> Non
     assert item.parts == pytest.approx(_seconds({**WANT_MS, "other": 1}), abs=1e-6)
     text = render_text([item])
     assert "r-1" in text and "p90 (1 requests)" in text
+
+
+def test_time_outside_stages_goes_to_the_innermost_marked_span() -> None:
+    """A router root marked "router", a call span marked "rpc" around the callee's server span
+    marked "service", stages inside: hop, bookkeeping and router time each get their own column."""
+    spans = [
+        span("GenerateService/Generate", None, 0, 30, service="router", parent_id="", **{"epd.attribution": "router"}),
+        span("epd.prefill", None, 2, 20, service="router", **{"epd.attribution": "rpc"}),  # call 2-20
+        span("PrefillService/Prefill", None, 4, 17, service="prefill", **{"epd.attribution": "service"}),
+        span("prefill.queue", "queue", 4.5, 5, service="prefill"),
+        span("prefill.compute", "prefill", 6, 16, service="prefill"),
+        span("epd.encode", None, 0, 2, service="router"),  # unmarked grouping span: the root's time
+    ]
+    parts = attribute(spans, T0, T0 + 22 * MS)
+    # router: 0-2 and 20-22; rpc: 2-4 and 17-20; service: 4-4.5, 5-6, 16-17; stages as covered.
+    want = {"router": 4, "rpc": 5, "service": 2.5, "queue": 0.5, "prefill": 10}
+    assert parts == pytest.approx(_seconds(want), abs=1e-9)
+    assert sum(parts.values()) == pytest.approx(0.022)
+    unmarked = [
+        span(s.name, s.attributes.get("epd.stage"), (s.start_ns - T0) / MS, (s.end_ns - T0) / MS) for s in spans
+    ]
+    assert attribute(unmarked, T0, T0 + 22 * MS)["other"] == pytest.approx(0.0115)  # without marks: other
