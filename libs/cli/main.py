@@ -323,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     from libs.cli import deploy  # epd deploy render (Kubernetes manifests)
 
     deploy.add_parser(sub)
+
+    from libs.cli import bench, plan  # load generation and capacity planning (libs/bench)
+
+    bench.add_parser(sub)
+    plan.add_parser(sub)
     return parser
 
 

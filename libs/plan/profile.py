@@ -1,0 +1,115 @@
+"""Per-request service times from a measured run's spans (what the simulation samples from).
+
+For every request trace (a `GenerateService/Generate` root with `epd.ttft_s`): its kind (text, or
+the modality of its media items and how many), each item's encode time on the encoder's engine
+thread (`encoder.preprocess` + `encoder.compute`), prefill's engine time (`epd.engine.busy_s` on
+`prefill.compute`: chunks run, waits excluded; else the span), prompt and output tokens, the decode
+inter-token time, and the fixed part of TTFT: hops, bookkeeping and transfers (`rpc`, `service`,
+`router`, `transfer`, `other` of the attribution), which no queue in the model lengthens.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from libs.telemetry.report import breakdowns
+from libs.telemetry.spans import SpanRecord, by_trace
+
+FIXED = ("rpc", "service", "router", "transfer", "other", "cache_load")
+
+
+@dataclass(frozen=True)
+class RequestProfile:
+    kind: str  # "text", "image", "audio", "video"
+    items: int
+    encode_s: tuple[float, ...]  # per item, engine time
+    prefill_s: float  # engine time
+    prompt_tokens: int
+    output_tokens: int
+    inter_token_s: float
+    fixed_s: float  # part of TTFT no modelled queue affects
+    ttft_s: float
+
+
+@dataclass
+class Profile:
+    layout: str
+    requests: list[RequestProfile] = field(default_factory=list)
+
+    def of_kind(self, kind: str) -> list[RequestProfile]:
+        return [r for r in self.requests if r.kind == kind]
+
+    def kinds(self) -> list[str]:
+        return sorted({r.kind for r in self.requests})
+
+    def decode_step_s(self) -> float:
+        """One decode step with a batch of one: the low decile of measured inter-token times (the
+        ones least stretched by prefill chunks sharing the engine thread)."""
+        gaps = sorted(r.inter_token_s for r in self.requests if r.inter_token_s > 0)
+        return gaps[len(gaps) // 10] if gaps else 0.02
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for kind in self.kinds():
+            rs = self.of_kind(kind)
+            out[kind] = {
+                "requests": len(rs),
+                "items": statistics.fmean(r.items for r in rs),
+                "encode_s_per_item": statistics.fmean(e for r in rs for e in r.encode_s) if rs[0].items else 0.0,
+                "prefill_s": statistics.fmean(r.prefill_s for r in rs),
+                "prompt_tokens": statistics.fmean(r.prompt_tokens for r in rs),
+                "fixed_s": statistics.fmean(r.fixed_s for r in rs),
+            }
+        return out
+
+
+def _layout(services: set[str]) -> str:
+    if "colocated" in services:
+        return "colocated"
+    return "e/p/d" if "decode" in services else "e+pd"
+
+
+def profile(spans: Iterable[SpanRecord]) -> Profile:
+    spans = list(spans)
+    traces = by_trace(spans)
+    out: list[RequestProfile] = []
+    layouts: list[str] = []
+    for item in breakdowns(spans):
+        trace = traces[item.trace_id]
+        children: dict[str, list[SpanRecord]] = {}
+        for s in trace:
+            children.setdefault(s.parent_id, []).append(s)
+        modalities = [str(s.attributes.get("epd.modality", "")) for s in trace if s.name == "epd.encode.item"]
+        encodes = []
+        for server in (s for s in trace if s.name == "EncoderService/Encode"):
+            encodes.append(
+                sum(
+                    c.duration_s
+                    for c in children.get(server.span_id, [])
+                    if c.name in ("encoder.preprocess", "encoder.compute")
+                )
+            )
+        prefills = [s for s in trace if s.name == "prefill.compute"]
+        if not prefills:
+            continue
+        prefill = prefills[0]
+        decode = next((s for s in trace if s.name == "decode.generate"), None)
+        kind = modalities[0].removeprefix("MODALITY_").lower() if modalities else "text"
+        layouts.append(_layout(set(item.services)))
+        out.append(
+            RequestProfile(
+                kind=kind,
+                items=len(modalities),
+                encode_s=tuple(encodes),
+                prefill_s=float(prefill.attributes.get("epd.engine.busy_s", prefill.duration_s)),
+                prompt_tokens=int(prefill.attributes.get("epd.prompt_tokens", 0)),
+                output_tokens=item.output_tokens,
+                inter_token_s=float(decode.attributes.get("epd.decode.inter_token_s", 0.0)) if decode else 0.0,
+                fixed_s=sum(item.parts[c] for c in FIXED),
+                ttft_s=item.ttft_s,
+            )
+        )
+    layout = max(set(layouts), key=layouts.count) if layouts else "e+pd"
+    return Profile(layout, out)
