@@ -1,0 +1,54 @@
+"""The capacity planner's simulation on hand-made profiles (no spans, no sockets): queueing it
+must show, the SRPT order of prefill chunks, and recommendations that grow with the load."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.plan.profile import Profile, RequestProfile
+from libs.plan.simulate import Layout, Workload, recommend, simulate
+
+
+def _req(kind: str, encode: tuple[float, ...], prefill_s: float, tokens: int) -> RequestProfile:
+    return RequestProfile(kind, len(encode), encode, prefill_s, tokens, 1, 0.0, 0.01, 0.0)
+
+
+PROFILE = Profile(
+    "e+pd",
+    [_req("text", (), 0.05, 50)] * 10 + [_req("image", (0.4,), 0.8, 800)] * 10,
+)
+
+
+def test_at_low_load_ttft_is_the_service_times() -> None:
+    result = simulate(PROFILE, Layout("e+pd", 1, 1), Workload({"text": 1.0}, clients=1, duration_s=60))
+    assert result.p90("text") == pytest.approx(0.05 + 0.01, rel=0.01)
+    result = simulate(PROFILE, Layout("e+pd", 1, 1), Workload({"image": 1.0}, clients=1, duration_s=60))
+    assert result.p90("image") == pytest.approx(0.4 + 0.8 + 0.01, rel=0.01)
+
+
+def test_queueing_grows_with_load_and_instances_relieve_it() -> None:
+    mix = {"text": 0.5, "image": 0.5}
+    light = simulate(PROFILE, Layout("e+pd", 1, 1), Workload(mix, rate_per_s=0.3, duration_s=2000))
+    heavy = simulate(PROFILE, Layout("e+pd", 1, 1), Workload(mix, rate_per_s=1.1, duration_s=2000))
+    wider = simulate(PROFILE, Layout("e+pd", 2, 2), Workload(mix, rate_per_s=1.1, duration_s=2000))
+    assert light.p90() < heavy.p90()
+    assert wider.p90() < heavy.p90()
+
+
+def test_text_prefill_overtakes_long_chunked_prefills() -> None:
+    """Shortest remaining first: under image load, text waits for one 256-token chunk at most."""
+    mix = {"text": 0.3, "image": 0.7}
+    result = simulate(PROFILE, Layout("e+pd", 4, 1), Workload(mix, clients=6, duration_s=600))
+    chunk_s = 0.8 / 4  # 800 tokens in 4 chunks
+    assert result.p90("text") <= 0.05 + 0.01 + chunk_s + 1e-6
+    assert result.p90("image") > 1.5  # the images queue behind each other instead
+
+
+def test_recommendations_grow_with_the_rate() -> None:
+    mix = {"text": 0.5, "image": 0.5}
+    small = recommend(PROFILE, "e+pd", Workload(mix, rate_per_s=0.2, duration_s=600), slo_ttft_s=2.0)
+    large = recommend(PROFILE, "e+pd", Workload(mix, rate_per_s=2.0, duration_s=600), slo_ttft_s=2.0)
+    assert small is not None and large is not None
+    assert small[0].total() < large[0].total()
+    assert large[1].p90() <= 2.0
+    assert recommend(PROFILE, "e+pd", Workload(mix, rate_per_s=50.0, duration_s=60), 2.0, max_instances=4) is None
