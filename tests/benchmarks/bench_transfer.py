@@ -15,6 +15,9 @@ Measures, with a producer in another process and the consumer here:
   warm, as in a busy consumer), against memcpy of the same two buffers repeated (cache-hot);
 - latency of a 64 KiB fetch, back to back (median and p99);
 - idle CPU of a process holding an agent (the producer, and this process), over `--idle-s` seconds.
+- multi-host: the same cold fetches with producer and consumer in two network namespaces joined by
+  veths and a bridge, UCX on TCP (no shared memory, no cross-memory attach), beside the memcpy and
+  inline gRPC figures above (`--no-multihost` skips it; it needs root).
 Goals (issue 4): >= 0.7x memcpy at >= 16 MiB, <= 0.4x the inline-gRPC time.
 """
 
@@ -203,6 +206,60 @@ def latency_64k(peer: PeerProcess, consumer: TensorConsumer, count: int) -> tupl
     return statistics.median(times), times[int(0.99 * (len(times) - 1))]
 
 
+def multihost_rows(reps: int, copy_cold: dict[int, Timings], inline: dict[int, Timings]) -> None:
+    """NIXL between two hosts: producer and consumer in network namespaces of their own, joined by
+    veths and a bridge, UCX on TCP over them (UCX_TLS=tcp, UCX_NET_DEVICES=eth0: no shared memory,
+    no cross-memory attach). Ratios against this run's loopback memcpy and inline gRPC."""
+    import threading
+
+    from tests.multihost.netns import NamespacesUnavailable, Topology, enter
+
+    try:
+        topology = Topology(["producer", "consumer"])
+    except NamespacesUnavailable as exc:
+        print(f"multi-host: not measured: {exc}")
+        return
+    pool_bytes = (max(SIZES_MIB) + 16) * MiB
+    tcp = {"ucx_net_devices": "eth0", "extra_env": (("UCX_TLS", "tcp"),)}
+    rows: list[tuple[int, Timings]] = []
+    errors: list[BaseException] = []
+    with topology:
+        peer = PeerProcess.start(netns=topology.namespace("producer"), pool_bytes=pool_bytes, **tcp)
+
+        def consume() -> None:  # this thread (and the agent threads it starts) in the consumer host
+            try:
+                enter(topology.namespace("consumer"))
+                config = TransferConfig(pool_bytes=pool_bytes, transfer_timeout_s=60, **tcp)
+                with TransferAgent(config) as agent:
+                    consumer = TensorConsumer(agent, lambda ref: peer.metadata)
+                    cache = Cache()
+                    for size_mib in SIZES_MIB:
+                        rows.append((size_mib, nixl_seconds(peer, consumer, size_mib * MiB, reps, cache)))
+            except BaseException as exc:  # reported below, from the main thread
+                errors.append(exc)
+
+        try:
+            thread = threading.Thread(target=consume, name="multihost-consumer")
+            thread.start()
+            thread.join()
+        finally:
+            peer.stop()
+    if errors:
+        raise errors[0]
+    print(
+        f"multi-host: NIXL fetch between network namespaces {topology.address('producer')} -> "
+        f"{topology.address('consumer')} (veth + bridge), UCX_TLS=tcp UCX_NET_DEVICES=eth0; cold, median (best)"
+    )
+    for size_mib, nixl in rows:
+        nbytes = size_mib * MiB
+        print(
+            f"{size_mib:>5} MiB | NIXL/TCP {nixl.median * 1e3:8.2f} ({nixl.best * 1e3:8.2f}) ms "
+            f"{nbytes / nixl.median / 1e9:5.2f} GB/s | memcpy {copy_cold[size_mib].median * 1e3:6.2f} ms "
+            f"({copy_cold[size_mib].median / nixl.median:5.2f}x) | inline gRPC on loopback "
+            f"{inline[size_mib].median * 1e3:8.2f} ms (NIXL/inline {nixl.median / inline[size_mib].median:5.2f}x)"
+        )
+
+
 def own_cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system
@@ -213,6 +270,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7, help="runs per size (median and best reported)")
     parser.add_argument("--latency-count", type=int, default=200, help="64 KiB fetches for the latency figure")
     parser.add_argument("--idle-s", type=float, default=10.0, help="idle CPU measurement window, seconds")
+    parser.add_argument(
+        "--multihost",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also NIXL over TCP between two network namespaces (needs root)",
+    )
     args = parser.parse_args()
 
     pool_bytes = (max(SIZES_MIB) + 16) * MiB  # also holds 8 x 16 MiB back to back
@@ -246,11 +309,14 @@ def main() -> None:
             print("-" * len(header))
             cache = Cache()
             warm_rows = []
+            copy_cold: dict[int, Timings] = {}
+            inline_times: dict[int, Timings] = {}
             for size_mib in SIZES_MIB:
                 nbytes = size_mib * MiB
                 copy, copy_hot = memcpy_seconds(nbytes, args.reps, cache)
                 nixl = nixl_seconds(peer, consumer, nbytes, args.reps, cache)
                 inline = inline_seconds(stub, consumer, nbytes, args.reps, cache)
+                copy_cold[size_mib], inline_times[size_mib] = copy, inline
                 print(
                     f"{size_mib:>5} MiB | {copy.median * 1e3:6.2f} ({copy.best * 1e3:6.2f}) ms | "
                     f"{nixl.median * 1e3:6.2f} ({nixl.best * 1e3:6.2f}) ms {nbytes / nixl.median / 1e9:5.1f} GB/s | "
@@ -277,6 +343,8 @@ def main() -> None:
                 f"64 KiB fetch latency: median {median * 1e6:.0f} us, p99 {p99 * 1e6:.0f} us "
                 f"({args.latency_count} runs)"
             )
+            if args.multihost:
+                multihost_rows(args.reps, copy_cold, inline_times)
 
             peer.wait_leases_settled()
             time.sleep(0.5)

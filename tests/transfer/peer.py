@@ -80,10 +80,11 @@ class PeerProcess:
         return self.agent_info.metadata
 
     @classmethod
-    def start(cls, **config: Any) -> PeerProcess:
+    def start(cls, *, netns: str | None = None, **config: Any) -> PeerProcess:
+        """A producer with `TransferConfig(**config)`, in network namespace `netns` if given."""
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
-        process = ctx.Process(target=_serve, args=(child, config), daemon=True)
+        process = ctx.Process(target=_serve, args=(child, config, netns), daemon=True)
         process.start()
         child.close()
         if not parent.poll(60):
@@ -170,10 +171,14 @@ def _task_state(pid: int, task: str) -> str:
 # --- the child ----------------------------------------------------------------------------------
 
 
-def _serve(conn: Connection, config: dict[str, Any]) -> None:
+def _serve(conn: Connection, config: dict[str, Any], netns: str | None = None) -> None:
     from libs.transfer import PoolExhausted, TensorProducer, TransferAgent, TransferConfig, TransferError
 
     try:
+        if netns is not None:  # before the agent exists: UCX binds its sockets in that namespace
+            from tests.multihost.netns import enter
+
+            enter(netns)
         agent = TransferAgent(TransferConfig(**config))
         producer = TensorProducer(agent, producer_address="127.0.0.1:50051")
     except Exception:
