@@ -109,6 +109,7 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
         "EPD_TRACE_EXPORTER": ns.trace_exporter,
         "EPD_TRACE_FILE": str(ns.trace_file.resolve()),
         "EPD_OTLP_ENDPOINT": ns.otlp_endpoint,
+        "EPD_WARM_UP": "true",  # the router's first contact with every backend before traffic
     }
     if ns.config is not None:
         return _described_spec(ns, env)

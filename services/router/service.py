@@ -55,8 +55,10 @@ class RouterSettings(ClientAuthSettings, CommonSettings):
     )
     cache_lookup_timeout_s: float = setting(0.25, "longest wait for a store lookup before treating it as a miss")
     affinity_slack: int = setting(4, "extra outstanding jobs a new item's hash-preferred encoder may have")
+    # Off by default: the warm-up's encode counts as a computed item in the encoders' metrics and
+    # caches; `epd up`/`epd demo` and the benchmarks turn it on (EPD_WARM_UP=true).
     warm_up: bool = setting(
-        True, "at start, send one tiny image request through every encoder and prefill/decode (first contact)"
+        False, "at start, send one tiny image request through every encoder and prefill/decode (first contact)"
     )
     forward_media: bool = setting(
         False, "benchmark baseline (P4) only: also forward each item's raw media to prefill (--accept-raw-media)"

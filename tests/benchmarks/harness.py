@@ -105,6 +105,7 @@ def make_stack(
             "EPD_TRACE_EXPORTER": "jsonl",
             "EPD_TRACE_FILE": str(trace_file),
             "EPD_LOG_LEVEL": "warning",
+            "EPD_WARM_UP": "true",  # first contact before traffic (services/router/warmup.py)
             **(env or {}),
         },
         extra_args=args,
