@@ -1,7 +1,7 @@
 """`epd deploy render`: Kubernetes manifests (deploy/k8s) from the stack descriptions (deploy/stacks).
 
-    epd deploy render            # write deploy/k8s/base and one overlay per deploy/stacks/*.yaml
-    epd deploy render --check    # exit 1 and list what differs (the committed files drifted)
+epd deploy render            # write deploy/k8s/base and one overlay per deploy/stacks/*.yaml
+epd deploy render --check    # exit 1 and list what differs (the committed files drifted)
 """
 
 from __future__ import annotations

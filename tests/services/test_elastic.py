@@ -215,5 +215,6 @@ def test_encoders_join_and_leave_a_running_stack(
     assert drained and drained[-1]["leases_still_held"] == 0 and drained[-1]["requests_finished"], drained
     print(
         f"\nelastic: added encoder took {used}/8 new items; {load.done} requests under load, 0 failed, "
-        f"{done_at_exit} done when the drained encoder had exited and left the file (it had computed {before} items before SIGTERM)"
+        f"{done_at_exit} done when the drained encoder had exited and left the file "
+        f"(it had computed {before} items before SIGTERM)"
     )
