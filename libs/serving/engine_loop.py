@@ -92,23 +92,30 @@ class EngineThread:
         self._queue.remove(job)
         return job
 
+    def _take(self) -> _Job | None:
+        with self._cv:
+            while not self._queue and not self._closed:
+                self._cv.wait()
+            return self._next() if self._queue else None
+
     def _work(self) -> None:
         while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                job = self._next()
-            if job.future.cancelled():
-                continue
-            result, error = None, None
-            try:
-                result = job.fn()
-            except BaseException as exc:  # delivered to the caller, as an executor would
-                error = exc
-            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
-                job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+            job = self._take()
+            if job is None:
+                return
+            if not job.future.cancelled():
+                self._execute(job)
+            del job  # hold nothing of a finished job while idle: its arguments (media, tensors)
+
+    @staticmethod
+    def _execute(job: _Job) -> None:
+        result, error = None, None
+        try:
+            result = job.fn()
+        except BaseException as exc:  # delivered to the caller, as an executor would
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
+            job.loop.call_soon_threadsafe(_settle, job.future, result, error)
 
     def shutdown(self) -> None:
         """Cancel what has not started, let the running job finish, stop the thread."""
