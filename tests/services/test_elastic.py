@@ -145,7 +145,7 @@ def backends(model_path: Path, tmp_path: Path) -> Iterator[list[ServiceProcess]]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_encoders_join_and_leave_a_running_stack(
     model_path: Path, tmp_path: Path, backends: list[ServiceProcess]
 ) -> None:
@@ -155,7 +155,7 @@ def test_encoders_join_and_leave_a_running_stack(
     router = None
     try:
         for process in [*backends, first.process]:
-            process.wait_ready(120)
+            process.wait_ready(240)
         members.write_text(f"# members\n{first.address}\n")
         prefill, decode = backends
         router = ServiceProcess(
@@ -169,13 +169,14 @@ def test_encoders_join_and_leave_a_running_stack(
         )
         router.start()
         address = router.wait_ready(60)
+        warm_up = first.encodes()  # the router's own warm-up request, if any
         _send(address, range(3))
-        assert first.encodes() == 3
+        assert first.encodes() - warm_up == 3
 
         # -- added -> used: a second encoder starts and is written into the file.
         second = Encoder("encoder-b", model_path, tmp_path)
         encoders.append(second)
-        second.process.wait_ready(120)
+        second.process.wait_ready(240)
         with members.open("a") as f:
             f.write(f"{second.address}\n")
         wait_for(
@@ -184,7 +185,7 @@ def test_encoders_join_and_leave_a_running_stack(
         _send(address, range(100, 108))
         used = second.encodes()
         assert used > 0, "the added encoder took no work"
-        assert first.encodes() + used == 3 + 8
+        assert first.encodes() - warm_up + used == 3 + 8
         # The gauge the encoder pool's HPA reads (deploy/k8s), exported by a real encoder.
         assert re.search(rf'^{OCCUPANCY_METRIC}\{{.*{LANE_LABEL}="encoder".*\}} ', second.metrics(), re.MULTILINE)
 

@@ -110,10 +110,11 @@ def test_golden_requests_across_namespaces_over_tcp(
             address = process.wait_ready(180)
             host = process.name
             assert address == f"{topology.address(host)}:{PORTS[host.split('-')[0]]}"  # its own IP, not loopback
-        router.start()
-        router_address = router.wait_ready(60)
+        # Counters from before the router starts: its warm-up request moves tensors too.
         sent_before = sum(topology.counters(h)["tx_bytes"] for h in ("encoder-0", "encoder-1"))
         prefill_sent_before = topology.counters("prefill")["tx_bytes"]
+        router.start()
+        router_address = router.wait_ready(60)
         names = sorted(MIXES)
         started = time.monotonic()
         reply = topology.exec("client", sys.executable, "-m", "tests.multihost.client", router_address, *names)
