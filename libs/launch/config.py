@@ -34,6 +34,8 @@ LAYOUT_ROLES = {
 # gRPC port of each role when the description gives none (Kubernetes; one role per pod).
 DEFAULT_PORTS = {"router": 50051, "colocated": 50051, "encoder": 50061, "prefill": 50071, "pd": 50071, "decode": 50081}
 MODEL_ROLES = ("encoder", "prefill", "decode", "pd", "colocated")
+# Stages the router reaches at one address (--prefill, --decode, --pd): one replica each, for now.
+SINGLE_BACKENDS = ("prefill", "decode", "pd")
 # Roles `epd up` runs more than one of on this host; of the stateless front-ends it runs one (on one
 # host a second router adds nothing); any other role replicated is refused locally.
 LOCAL_REPLICATED = ("encoder",)
@@ -163,6 +165,9 @@ def _semantic_problems(doc: Mapping[str, Any]) -> list[str]:
     ]
     if doc.get("engine") == "vllm" and layout != "e+pd":
         problems.append(f"engine: vllm serves the E+PD layout's PD service; layout is {layout}")
+    for name in SINGLE_BACKENDS:
+        if roles.get(name, {}).get("replicas", 1) > 1:
+            problems.append(f"roles.{name}.replicas: the router addresses one {name} (a pool of them: not yet); use 1")
     for name, role in roles.items():
         scale = role.get("autoscale")
         if scale is None:

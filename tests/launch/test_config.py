@@ -109,6 +109,7 @@ def test_the_schema_offers_each_role_only_settings_it_has() -> None:
             "roles.encoder.autoscale: min_replicas 4 > max_replicas 2",
         ),
         (lambda d: d["roles"]["prefill"].update(autoscale={"max_replicas": 2}), "only the encoder pool autoscales"),
+        (lambda d: d["roles"]["decode"].update(replicas=2), "roles.decode.replicas: the router addresses one decode"),
         (lambda d: d.update(engine="vllm"), "engine: vllm serves the E+PD layout"),
         (lambda d: d["roles"]["router"].update(port=9090), "roles.router.port: 9090 is also telemetry.metrics_port"),
         (lambda d: d.update(tls={"enabled": "yes"}), "tls.enabled: 'yes' is not of type 'boolean'"),
@@ -172,14 +173,11 @@ def test_the_local_plan_passes_each_setting_as_a_flag_its_service_parses(tmp_pat
     assert plan.notes == ()
 
 
-def test_the_local_plan_runs_one_front_end_and_refuses_other_replicas(tmp_path: Path) -> None:
+def test_the_local_plan_runs_one_front_end(tmp_path: Path) -> None:
     doc = _minimal()
     doc["roles"]["router"]["replicas"] = 3
     plan = stack_spec(parse_description(doc, Path("x.yaml")), run_dir=tmp_path)
     assert plan.notes == ("roles.router.replicas is 3: one router runs on this host",)
-    doc["roles"]["decode"]["replicas"] = 2
-    with pytest.raises(DescriptionError, match=r"roles.decode.replicas: 2; `epd up` runs one decode"):
-        stack_spec(parse_description(doc, Path("x.yaml")), run_dir=tmp_path)
 
 
 def test_cli_refuses_flags_that_contradict_the_file() -> None:
