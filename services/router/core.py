@@ -10,7 +10,10 @@ Flow per request:
    UNAVAILABLE / DEADLINE_EXCEEDED / INTERNAL is retried once on another encoder;
 3. replace each `media` part by its `encoded` part, in place (the metadata-only request);
 4. E/P/D: `Prefill` then `Decode`; E+PD: `PrefillDecode`. If prefill reports an embedding gone
-   (NOT_FOUND / UNAVAILABLE) before any token was streamed, re-encode once and retry;
+   (NOT_FOUND / UNAVAILABLE) before any token was streamed, re-encode once and retry. If decode
+   finds the KV gone before it streamed anything (its lease expired while decode restarted, or
+   the slot was reclaimed), recompute once: encode, prefill again, and continue with decode when
+   the recomputed first token is the one already streamed (greedy or seeded sampling);
 5. whatever happens (error, cancel, deadline), release every lease the request still holds.
 """
 
@@ -66,15 +69,23 @@ _DRAIN_WAIT_S = 60.0
 # Prefill failures meaning "an embedding is gone" (expired, encoder restarted or dead, slot reclaimed
 # and reused): re-encode once before any token was streamed.
 _EMBEDDING_GONE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS}
+# Decode failures, before it streamed anything, meaning "the KV it was handed is gone" (lease
+# expired, e.g. while the router waited out a decode restart; slot reclaimed): recompute once.
+_KV_GONE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS}
 
 
 class RpcFailed(EpdError):
     """A backend answered with a non-OK status; re-raised to the client with the same code."""
 
-    def __init__(self, stage: str, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, stage: str, code: grpc.StatusCode, details: str, kv_unread: bool = False) -> None:
         super().__init__(f"{stage}: {details}")
         self.code = code  # type: ignore[misc]  # instance-level code: mirrors the backend's status
         self.stage = stage
+        self.kv_unread = kv_unread  # decode failed before streaming anything: the KV is unused
+
+
+def _kv_lost(exc: RpcFailed) -> bool:
+    return exc.stage == "decode" and exc.kv_unread and exc.code in _KV_GONE
 
 
 @dataclass
@@ -217,18 +228,36 @@ class Router:
     ) -> AsyncIterator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]]:
         if self._backends.check_backends is not None:
             await self._backends.check_backends()
-        for attempt in range(2):
+        reencoded = recomputed = False
+        first: generation_pb2.TokenChunk | None = None  # prefill's chunk, once streamed
+        while True:
             messages = await self._encode_all(request, state, deadline)
+            replay = first  # after a recompute: prefill's chunk again, already streamed
             try:
-                async for item in self._prefill_and_decode(messages, request, state, deadline):
-                    yield item
+                async for chunk, usage in self._prefill_and_decode(messages, request, state, deadline):
+                    if replay is not None:
+                        if list(chunk.token_ids) != list(replay.token_ids):
+                            raise RpcFailed(
+                                "decode",
+                                grpc.StatusCode.DATA_LOSS,
+                                "the KV was lost and the recomputed first token differs from the one streamed "
+                                "(sampling without a seed)",
+                            )
+                        replay = None
+                        continue
+                    first = first or chunk
+                    yield chunk, usage
                 return
             except RpcFailed as exc:
-                if attempt == 0 and exc.stage == "prefill" and exc.code in _EMBEDDING_GONE and not state.streamed:
+                if not reencoded and exc.stage == "prefill" and exc.code in _EMBEDDING_GONE and not state.streamed:
                     _log.warning("embedding gone before prefill; re-encoding", request_id=state.request_id)
-                    await self._release_all(state)
-                    continue
-                raise
+                    reencoded = True
+                elif not recomputed and _kv_lost(exc):
+                    _log.warning("KV gone before decode read it; recomputing", request_id=state.request_id)
+                    recomputed = True
+                else:
+                    raise
+                await self._release_all(state)
 
     async def _encode_all(
         self, request: generate_pb2.GenerateRequest, state: RequestState, deadline: float | None
@@ -498,7 +527,7 @@ class Router:
                     if replies or not await drain.again(exc):
                         raise
         except grpc.aio.AioRpcError as exc:
-            raise _rpc_error("decode", exc) from None
+            raise RpcFailed("decode", exc.code(), exc.details() or exc.code().name, kv_unread=not replies) from None
         finally:
             if call is not None:
                 call.cancel()  # as for PD: a consumer gone mid-stream must stop decode (no-op when done)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -80,19 +80,22 @@ class Leases:
 
 
 class Prefill:
-    def __init__(self, fail_first: grpc.StatusCode | None = None) -> None:
+    def __init__(self, fail_first: grpc.StatusCode | None = None, first_tokens: Sequence[int] = (7,)) -> None:
         self.requests: list[prefill_pb2.PrefillRequest] = []
         self.fail_first = fail_first
+        self.first_tokens = first_tokens  # the first token of each call, the last one repeated
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, timeout: float | None = None, **_: Any) -> Any:
         self.requests.append(request)
         if self.fail_first is not None and len(self.requests) == 1:
             raise _error(self.fail_first, "embedding lease-0 not found")
         kv = samples.kv_cache(tokens=10)
+        kv.handle.lease_id = f"kv-lease-{len(self.requests)}"
+        token = self.first_tokens[min(len(self.requests), len(self.first_tokens)) - 1]
         return prefill_pb2.PrefillResponse(
-            first_chunk=generation_pb2.TokenChunk(token_ids=[7], text="a"),
+            first_chunk=generation_pb2.TokenChunk(token_ids=[token], text="a"),
             kv_cache=kv,
-            decode_state=prefill_pb2.DecodeState(next_input_token_id=7, generated_tokens=1, prompt_tokens=10),
+            decode_state=prefill_pb2.DecodeState(next_input_token_id=token, generated_tokens=1, prompt_tokens=10),
         )
 
 
@@ -120,17 +123,22 @@ class StreamCall:
 
 
 class Decode:
-    def __init__(self, fail_before: bool = False) -> None:
+    def __init__(self, fail_before: bool = False, fail_first: Sequence[grpc.StatusCode] = ()) -> None:
         self.fail_before = fail_before
+        self.fail_first = list(fail_first)  # the first calls fail with these, before streaming
         self.requests: list[decode_pb2.DecodeRequest] = []
         self.calls: list[StreamCall] = []
 
     def Decode(self, request: decode_pb2.DecodeRequest, timeout: float | None = None, **_: Any) -> StreamCall:
         self.requests.append(request)
 
+        fail = self.fail_first.pop(0) if self.fail_first else None
+
         async def stream() -> AsyncIterator[Any]:
             if self.fail_before:
                 raise _error(grpc.StatusCode.UNAVAILABLE, "decode lost its KV")
+            if fail is not None:
+                raise _error(fail, f"lease {request.kv_cache.handle.lease_id} expired 10.6 s ago")
             for token in (8, 9):
                 yield decode_pb2.DecodeResponse(chunk=generation_pb2.TokenChunk(token_ids=[token]))
             yield decode_pb2.DecodeResponse(
@@ -149,8 +157,8 @@ class Harness:
             f"enc{i}": Encoder(f"enc{i}", self.log, (fail or {}).get(f"enc{i}")) for i in range(n_encoders)
         }
         self.leases = Leases()
-        self.prefill = Prefill(kw.get("prefill_fail_first"))
-        self.decode = Decode(kw.get("decode_fail_before", False))
+        self.prefill = Prefill(kw.get("prefill_fail_first"), kw.get("prefill_first_tokens", (7,)))
+        self.decode = Decode(kw.get("decode_fail_before", False), kw.get("decode_fail_first", ()))
         backends = Backends(
             encoder=self.encoders.__getitem__, lease=self.leases.stub, prefill=self.prefill, decode=self.decode
         )
@@ -264,6 +272,56 @@ def test_decode_failure_releases_the_kv_lease() -> None:
 
     assert asyncio.run(run()) == [7]  # the first token was already streamed
     assert h.leases.released == {"127.0.0.1:50061": {"kv-lease-1"}}
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS])
+def test_kv_gone_before_decode_read_it_is_recomputed_once(code: grpc.StatusCode) -> None:
+    # E.g. the KV lease expired while the router waited for a restarting decode.
+    h = Harness(decode_fail_first=[code])
+    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]  # the first token is not repeated
+    assert len(h.log) == 2 and len(h.prefill.requests) == 2 and len(h.decode.requests) == 2
+    assert [r.kv_cache.handle.lease_id for r in h.decode.requests] == ["kv-lease-1", "kv-lease-2"]
+    # The lost KV's lease is released (prefill acked the embeddings it read); decode acked the new KV.
+    assert h.leases.released == {"127.0.0.1:50061": {"kv-lease-1"}}
+
+
+def test_kv_gone_twice_fails_with_decodes_status() -> None:
+    h = Harness(decode_fail_first=[grpc.StatusCode.NOT_FOUND] * 2)
+
+    async def run() -> list[int]:
+        out: list[int] = []
+        with pytest.raises(RpcFailed) as caught:
+            async for response in h.router.generate(_request(1)):
+                out.extend(response.chunk.token_ids)
+        assert caught.value.code == grpc.StatusCode.NOT_FOUND and "kv-lease-2 expired" in str(caught.value)
+        return out
+
+    assert asyncio.run(run()) == [7]
+    assert len(h.prefill.requests) == 2  # one recompute, no more
+
+
+def test_kv_recomputed_with_another_first_token_is_data_loss() -> None:
+    # Unseeded sampling may pick another first token: the stream cannot be continued consistently.
+    h = Harness(decode_fail_first=[grpc.StatusCode.NOT_FOUND], prefill_first_tokens=(7, 5))
+
+    async def run() -> list[int]:
+        out: list[int] = []
+        with pytest.raises(RpcFailed) as caught:
+            async for response in h.router.generate(_request(1)):
+                out.extend(response.chunk.token_ids)
+        assert caught.value.code == grpc.StatusCode.DATA_LOSS and "first token differs" in str(caught.value)
+        return out
+
+    assert asyncio.run(run()) == [7]
+    assert len(h.decode.requests) == 1  # decode never got the inconsistent KV
+    assert {"kv-lease-1", "kv-lease-2"} <= set().union(*h.leases.released.values())
+
+
+def test_other_decode_failures_are_not_recomputed() -> None:
+    h = Harness(decode_fail_first=[grpc.StatusCode.INTERNAL])
+    with pytest.raises(RpcFailed):
+        asyncio.run(h.tokens(_request(1)))
+    assert len(h.prefill.requests) == 1
 
 
 def test_client_cancel_releases_what_the_request_holds() -> None:

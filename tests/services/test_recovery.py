@@ -6,6 +6,9 @@ this process, tests/services/interposer.py) that acts on a request before forwar
   handle past its expiry, or bytes that no longer match the handle's checksum): the real prefill /
   PD fails the request with NOT_FOUND / DATA_LOSS, the router re-encodes before any token was
   streamed, and the client gets the model's own tokens.
+- The KV cache gone before decode reads it (its lease expired while the router waited out a decode
+  restart): the real decode fails the request with NOT_FOUND, the router recomputes (encode,
+  prefill) and continues with decode without repeating the first token.
 - A request that goes away (client cancel, deadline) before decode (or PD) reads what it holds:
   the router gives back the KV cache's lease at prefill (the embeddings' leases at the encoders).
 """
@@ -127,6 +130,37 @@ def test_embedding_gone_before_prefill_is_re_encoded(
     # second call carried new leases (new handles), and it went through.
     assert interposer.wait_outcomes(request.request_id, 2) == [code, "OK"]
     assert len(leases) == 2 and len(leases[0]) == len(leases[1]) == 2 and not set(leases[0]) & set(leases[1])
+    wait_pools_empty(front.stack)
+
+
+@pytest.mark.timeout(180)
+def test_kv_gone_before_decode_reads_it_is_recomputed(
+    fronts: Callable[[str], Front], expected: dict[str, list[int]]
+) -> None:
+    front = fronts("e/p/d")
+    decode = front.interposers["decode"]
+    kv_leases: list[str] = []
+
+    async def kv_gone_once(request: Any) -> None:
+        handle = request.kv_cache.handle
+        kv_leases.append(handle.lease_id)
+        if len(kv_leases) > 1:
+            return
+        # What the KV lease's expiry does at prefill (the slot is freed), and what the handle says.
+        assert await decode.release_leases({handle.agent.producer_address: [handle.lease_id]}) == 1
+        handle.lease_expire_time.FromNanoseconds(time.time_ns() - 1_000_000_000)
+
+    request = request_for(MIXES["image"], request_id="kv-gone-recomputed")
+    decode.hooks["Decode"] = kv_gone_once
+    try:
+        (result,) = run_requests(front.router.address, [request])
+    finally:
+        del decode.hooks["Decode"]
+    # The model's own tokens, the first one streamed once, although prefill ran twice.
+    assert result.token_ids == expected["image"]
+    assert decode.wait_outcomes(request.request_id, 2) == ["NOT_FOUND", "OK"]
+    assert front.interposers["prefill"].wait_outcomes(request.request_id, 2) == ["OK", "OK"]
+    assert len(kv_leases) == 2 and kv_leases[0] != kv_leases[1]
     wait_pools_empty(front.stack)
 
 
