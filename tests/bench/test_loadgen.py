@@ -149,7 +149,10 @@ def test_closed_loop_keeps_n_in_flight_and_stops_at_the_count() -> None:
 def test_closed_loop_stops_at_the_duration() -> None:
     server = FakeServer(0.05)
     records = asyncio.run(run_load(server, _plan(1000), LoadConfig(mode="closed", concurrency=2, duration_s=0.3)))
-    assert 8 <= len(records) <= 16  # 2 clients x 0.3 s / 0.05 s, plus the ones running at the end
+    # 2 clients x 0.3 s / 0.05 s = 12, plus the ones running at the end: at most 16 (each request takes
+    # 0.05 s at least), and a run that ignored the duration would send the whole plan (1000). The lower
+    # bound is loose: a loaded host stretches every sleep, so fewer fit in the 0.3 s.
+    assert 4 <= len(records) <= 16
 
 
 def test_open_loop_sends_on_schedule_whatever_the_server_does() -> None:
@@ -159,7 +162,9 @@ def test_open_loop_sends_on_schedule_whatever_the_server_does() -> None:
     expected = len(poisson_arrivals(100.0, count=1000, duration_s=0.2, seed=4))
     assert len(records) == expected and server.peak > 5
     starts = [r.start_s for r in records]
-    assert starts == sorted(starts) and starts[-1] < 0.3
+    # On schedule, not after the server: sends waiting for the one server (0.2 s each) would spread
+    # over ~(count - 1) x 0.2 s, seconds; the schedule ends at 0.2 s (generous for a loaded host).
+    assert expected >= 10 and starts == sorted(starts) and starts[-1] < 1.0
     ttfts = [r.e2e_s for r in records]
     assert max(ttfts) > 1.0  # they queued at the one server: latency grows, as it should
 

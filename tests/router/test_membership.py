@@ -5,6 +5,7 @@ counted until they end), a draining one avoided while another is left."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -56,26 +57,50 @@ def test_file_members(tmp_path: Path) -> None:
         asyncio.run(source.resolve())
 
 
-def test_membership_applies_changes_and_keeps_the_last_members_when_a_read_fails(tmp_path: Path) -> None:
+def test_membership_applies_changes_and_keeps_the_last_members_when_a_read_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "members"
     seen: list[list[str]] = []
+    reads: list[int] = []  # one entry per re-read of the file, successful or not
+    read_file = Source._read_file
 
-    async def apply(members: list[str]) -> None:
-        seen.append(members)
+    def counted(self: Source) -> list[str]:
+        try:
+            return read_file(self)
+        finally:
+            reads.append(1)
+
+    monkeypatch.setattr(Source, "_read_file", counted)
+
+    def write(text: str) -> None:  # whole or not at all, as a reader must see it
+        (tmp_path / "members.new").write_text(text)
+        (tmp_path / "members.new").replace(path)
+
+    async def until(condition: Callable[[], bool], what: str) -> None:
+        for _ in range(3000):  # bounded: 30 s (the refresh period is 0.1 s)
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"never {what}: seen {seen}, {len(reads)} reads")
 
     async def scenario() -> None:
         membership = Membership(Source.parse([f"file://{path}"]), apply, refresh_s=0.1)
-        path.write_text("a:1\n")
+        write("a:1\n")
         assert await membership.refresh()
         membership.start()
-        path.write_text("a:1\nb:2\n")
-        await asyncio.sleep(0.4)
-        path.write_text("not an address\n")  # a bad read: nothing changes
-        await asyncio.sleep(0.3)
-        path.write_text("b:2\n")
-        await asyncio.sleep(0.4)
+        write("a:1\nb:2\n")
+        await until(lambda: len(seen) == 2, "the added member applied")
+        write("not an address\n")  # a bad read: nothing changes
+        after = len(reads)
+        await until(lambda: len(reads) >= after + 2, "two re-reads of the bad file")  # the 2nd began after the write
+        write("b:2\n")
+        await until(lambda: len(seen) == 3, "the removal applied")
         await membership.stop()
         assert membership.members == ["b:2"]
+
+    async def apply(members: list[str]) -> None:
+        seen.append(members)
 
     asyncio.run(scenario())
     assert seen == [["a:1"], ["a:1", "b:2"], ["b:2"]]

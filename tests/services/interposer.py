@@ -5,8 +5,9 @@ expired) or hold it until the caller gives up (cancel or deadline before decode 
 
 It runs its own event loop in a thread of the test process and listens on loopback; the router
 reaches it like any stage (it forwards `GetServiceInfo`, so the router's first-contact checks see
-the real stage). Each call's outcome (the status code name, or "CANCELLED" when the caller went
-away) is recorded per request id.
+the real stage). Each call's outcome (the status code name the stage answered, or "CANCELLED" when
+the caller went away) is recorded per request id. The stage may be restarted on its address: calls
+wait for the replacement.
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ class Interposer:
             try:
                 if method in interposer.hooks:
                     await interposer.hooks[method](request)
-                reply = await call(request, timeout=context.time_remaining())
+                # wait_for_ready: while the stage is between processes (a restart on its port), a
+                # call waits for the replacement instead of failing as "connection refused".
+                reply = await call(request, timeout=context.time_remaining(), wait_for_ready=True)
             except asyncio.CancelledError:
                 interposer._record(request.request_id, "CANCELLED")
                 raise
@@ -116,7 +119,7 @@ class Interposer:
             try:
                 if method in interposer.hooks:
                     await interposer.hooks[method](request)
-                async for reply in call(request, timeout=context.time_remaining()):
+                async for reply in call(request, timeout=context.time_remaining(), wait_for_ready=True):
                     yield reply
             except asyncio.CancelledError:
                 interposer._record(request.request_id, "CANCELLED")

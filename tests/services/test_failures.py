@@ -340,11 +340,16 @@ def _last_error(address: str) -> str:
     return "OK"
 
 
-@pytest.fixture(scope="module")
-def doomed_stack(model_path: Path, tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver) -> Iterator[Stack]:
-    """A stack of its own: this module's tests kill one of its encoders."""
+@pytest.fixture(scope="module", params=["e/p/d", "e+pd"])
+def doomed_stack(
+    request: pytest.FixtureRequest,
+    model_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    receiver: OtlpReceiver,
+) -> Iterator[Stack]:
+    """A stack of its own per layout with encoders: this module's tests kill one of its encoders."""
     spec = StackSpec(
-        layout="e/p/d",
+        layout=request.param,
         encoders=2,
         model=model_path,
         run_dir=tmp_path_factory.mktemp("doomed"),
@@ -359,14 +364,15 @@ def doomed_stack(model_path: Path, tmp_path_factory: pytest.TempPathFactory, rec
 @pytest.mark.slow  # a stack of its own
 @pytest.mark.timeout(300)
 def test_encoder_killed_mid_load(doomed_stack: Stack, expected: dict[str, list[int]], receiver: OtlpReceiver) -> None:
-    """SIGKILL one of two encoders while it holds work. The design's bound: a request whose items the
+    """SIGKILL one of two encoders while it holds work (E/P/D and E+PD). The design's bound: a request whose items the
     dead encoder held is retried on the other encoder (encode failed) or re-encoded there (prefill
     found the embedding gone) before its first token, and a request that never touched it is not
     affected; so every request completes, with the model's own tokens."""
     stack = doomed_stack
     victim = stack.processes["encoder-0"]
     plan = ["two_images", "image", "video", "audio_image"] * 6
-    requests = [request_for(MIXES[name], request_id=f"kill-{i}") for i, name in enumerate(plan)]
+    slug = _slug(stack.spec.layout)  # request ids of their own: both layouts' spans reach one receiver
+    requests = [request_for(MIXES[name], request_id=f"kill-{slug}-{i}") for i, name in enumerate(plan)]
     held: list[object] = []
 
     def holds_work() -> bool:
@@ -401,7 +407,9 @@ def test_encoder_killed_mid_load(doomed_stack: Stack, expected: dict[str, list[i
     touched = _encoders_per_item(receiver, {r.request_id for r in requests}, 24)
     moved = {key for key, addresses in touched.items() if victim.address in addresses and len(addresses) > 1}
     assert moved, f"no request had to move off the killed encoder: {touched}"
-    for name in ("prefill", "decode", "encoder-1", "router"):
+    survivors = [name for name in stack.processes if name != "encoder-0"]  # prefill and decode, or PD
+    assert {"encoder-1", "router"} < set(survivors)
+    for name in survivors:
         assert stack.processes[name].alive() and _healthy(stack.processes[name].address)
     # After the kill every request succeeds on the surviving encoder (retried there if needed).
     after = run_requests(stack.address, [request_for(MIXES["two_images"]) for _ in range(4)])
