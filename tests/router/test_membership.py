@@ -21,7 +21,7 @@ from services.router.membership import Membership, MembershipError, ResolveFaile
         (["file://relative/path"], "is not file:///ABSOLUTE/PATH"),
         (["127.0.0.1:1", "dns:///e:1"], "stands alone"),
         (["127.0.0.1"], "'127.0.0.1' is not HOST:PORT"),
-        ([], "no encoder given"),
+        ([], "no address given"),
     ],
 )
 def test_bad_sources_are_refused_naming_the_setting(values: list[str], problem: str) -> None:
