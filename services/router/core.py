@@ -170,6 +170,10 @@ class DrainWait:
         """Whether to retry the call that failed with `exc` (after the pause)."""
         if not stopping(exc.code(), exc.details()):
             return False
+        return await self.pause()
+
+    async def pause(self) -> bool:
+        """Pause, when the deadlines leave time for another try after it; whether it paused."""
         end = self._give_up if self._deadline is None else min(self._give_up, self._deadline - _ANSWER_MARGIN_S)
         if end - time.monotonic() <= self._pause_s:
             return False
@@ -198,7 +202,11 @@ class Attempts:
         return self.pool.size <= 1
 
     async def next(self) -> str:
-        """The member for the next try (checked); raises when no compatible member is left."""
+        """The member for the next try (checked); raises when no compatible member is left. A stage
+        with no member now (a discovered pool between its last pod leaving and the next ready one)
+        is waited for, within the drain wait."""
+        while not self.pool.size and await self._drain.pause():
+            pass
         while True:
             address = self.pool.pick(exclude=self._tried)
             self._tried.add(address)

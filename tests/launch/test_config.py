@@ -109,7 +109,6 @@ def test_the_schema_offers_each_role_only_settings_it_has() -> None:
             "roles.encoder.autoscale: min_replicas 4 > max_replicas 2",
         ),
         (lambda d: d["roles"]["prefill"].update(autoscale={"max_replicas": 2}), "only the encoder pool autoscales"),
-        (lambda d: d["roles"]["decode"].update(replicas=2), "roles.decode.replicas: the router addresses one decode"),
         (lambda d: d.update(engine="vllm"), "engine: vllm serves the E+PD layout"),
         (lambda d: d["roles"]["router"].update(port=9090), "roles.router.port: 9090 is also telemetry.metrics_port"),
         (lambda d: d.update(tls={"enabled": "yes"}), "tls.enabled: 'yes' is not of type 'boolean'"),
@@ -171,6 +170,24 @@ def test_the_local_plan_passes_each_setting_as_a_flag_its_service_parses(tmp_pat
     router = _parse_flags("router", spec.extra_args["router"])
     assert (router.max_running, router.grace_s) == (9, 7.0)
     assert plan.notes == ()
+
+
+def test_prefill_and_decode_replicas_are_pools_locally_and_in_kubernetes(tmp_path: Path) -> None:
+    from libs.launch.k8s import role_documents
+
+    doc = _minimal()
+    doc["roles"]["prefill"]["replicas"] = 2
+    doc["roles"]["decode"]["replicas"] = 3
+    desc = parse_description(doc, Path("x.yaml"))
+    spec = stack_spec(desc, run_dir=tmp_path).spec
+    assert (spec.prefills, spec.decodes) == (2, 3)
+    assert {"prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2"} <= set(spec.extra_args)
+    assert "prefill" not in spec.extra_args
+    for role, count in (("prefill", 2), ("decode", 3)):
+        kinds = {d["kind"]: d for d in role_documents(desc, desc.roles[role])}
+        assert kinds["Deployment"]["spec"]["replicas"] == count
+        assert kinds["Service"]["spec"]["clusterIP"] == "None"  # headless: the router's dns:/// pool
+        assert "PodDisruptionBudget" in kinds
 
 
 def test_the_local_plan_runs_one_front_end(tmp_path: Path) -> None:
