@@ -70,6 +70,9 @@ _EMBEDDING_GONE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.
 # A prefill, decode or PD member's refusals before its first token that another member may not
 # share (it drains, stopped, or cannot be reached): retried on another member while one is left.
 _MEMBER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+# How long a member that refused so is passed over while another is left (seconds); a draining one
+# until membership drops it (`MemberPool.draining`'s default).
+_UNREACHABLE_AVOID_S = 5.0
 
 
 class RpcFailed(EpdError):
@@ -225,6 +228,9 @@ class Attempts:
         if stopping(exc.code(), exc.details()):
             self.pool.draining(address)  # leaving: other members take its work
         if exc.code() in _MEMBER_GONE and self.pool.untried(self._tried):
+            # Unreachable (exited, not yet out of the members) fails fast, so it would look the
+            # least loaded and draw every pick: avoid it a while too.
+            self.pool.draining(address, for_s=_UNREACHABLE_AVOID_S)
             _log.warning(f"{self.pool.stage} refused; trying another", member=address, code=exc.code().name)
             return True
         if await self._drain.again(exc):

@@ -76,7 +76,8 @@ class MemberPool:
         """`address` refused work because it drains (it is leaving): pick others while any is left,
         until membership drops it or `for_s` passes."""
         if address in self.outstanding:
-            self._draining[address] = time.monotonic() + for_s
+            until = time.monotonic() + for_s
+            self._draining[address] = max(until, self._draining.get(address, until))
 
     def candidates(self, exclude: set[str]) -> list[str]:
         """Members that may be picked: not excluded, and not draining while another is left."""

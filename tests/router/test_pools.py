@@ -151,6 +151,11 @@ def test_a_prefill_that_cannot_be_reached_is_retried_on_another() -> None:
     pools = Pools([down, Prefill("p1:1")], [Decode("d0:1")])
     assert pools.run(4) == [[7, 8, 9]] * 4
     assert len(pools.prefills["p1:1"].requests) == 4
+    tried = len(down.requests)
+    assert 1 <= tried <= 2
+    # Failing fast, it would look the least loaded and draw every pick: it is passed over a while.
+    assert pools.run(4) == [[7, 8, 9]] * 4
+    assert len(down.requests) == tried
 
 
 def test_a_decode_refusing_before_its_first_token_is_retried_on_another_with_the_same_kv() -> None:
