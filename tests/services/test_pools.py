@@ -71,6 +71,7 @@ class PoolStack:
     decodes: list[Member]
     prefill_file: Path
     decode_file: Path
+    golden: dict[str, list[int]]  # the colocated model's tokens per mix
 
     def members(self, prefills: list[Member], decodes: list[Member]) -> None:
         """Write both files and wait until the router uses exactly these members."""
@@ -94,8 +95,7 @@ def _members(router: ServiceProcess, path: Path) -> set[str]:
     return members
 
 
-@pytest.fixture(scope="module")
-def golden(model_path: Path) -> dict[str, list[int]]:
+def _golden(model_path: Path) -> dict[str, list[int]]:
     """The colocated model's greedy tokens for the mixes these tests send."""
     model = load_reference(str(model_path))
     runtime = LanguageModelRuntime(model_path)
@@ -114,6 +114,7 @@ def pools(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     members = [m.process for m in [*prefills, *decodes]]
     router = None
     try:
+        golden = _golden(model_path)  # while the services load
         for process in [encoder, *members]:
             process.wait_ready(240)
         prefill_file, decode_file = run_dir / "prefills", run_dir / "decodes"
@@ -131,12 +132,15 @@ def pools(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         )
         router.start()
         address = router.wait_ready(60)
-        yield PoolStack(router, address, prefills, decodes, prefill_file, decode_file)
+        yield PoolStack(router, address, prefills, decodes, prefill_file, decode_file, golden)
     finally:
         if router is not None:
             router.stop()
-        for process in [*members, encoder]:
-            process.stop()
+        stoppers = [threading.Thread(target=p.stop) for p in [*members, encoder]]  # drain all at once
+        for stopper in stoppers:
+            stopper.start()
+        for stopper in stoppers:
+            stopper.join(60)
 
 
 def _send(stack: PoolStack, count: int, seed: int) -> None:
@@ -177,15 +181,13 @@ def test_a_prefill_and_a_decode_added_take_work(pools: PoolStack) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_two_prefills_and_two_decodes_under_load_match_the_golden_tokens(
-    pools: PoolStack, golden: dict[str, list[int]]
-) -> None:
+def test_two_prefills_and_two_decodes_under_load_match_the_golden_tokens(pools: PoolStack) -> None:
     pools.members(pools.prefills, pools.decodes)
     before = pools.counts()
     names = [name for _ in range(3) for name in GOLDEN_MIXES]  # 12 requests at once
     results = run_requests(pools.address, [request_for(MIXES[name]) for name in names], timeout_s=120)
     got = [list(r.token_ids) for r in results]
-    assert got == [golden[name] for name in names]
+    assert got == [pools.golden[name] for name in names]
     after = pools.counts()
     gained = {name: after[name] - before[name] for name in after}
     for member in [*pools.prefills, *pools.decodes]:
