@@ -228,7 +228,8 @@ def test_a_description_is_immutable() -> None:
 @pytest.mark.timeout(240)
 def test_epd_up_runs_a_description(tmp_path: Path) -> None:
     """`epd up --config` on a real E+PD stack: the description's settings reach the services (the
-    encoder runs without checksums and advertises none), and a request is served."""
+    encoder runs without checksums and advertises none), two PD replicas run and the router pools
+    them, and a request is served."""
     import json as _json
     import os
     import re
@@ -248,7 +249,7 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
         "name": "t",
         "layout": "e+pd",
         "model": {"path": str(model)},
-        "roles": {"router": {}, "encoder": {"settings": {"cached_max_running": 2}}, "pd": {}},
+        "roles": {"router": {}, "encoder": {"settings": {"cached_max_running": 2}}, "pd": {"replicas": 2}},
         "transport": {"checksums": False, "pool_mib": 32},
         "drain": {"grace_s": 5},
     }
@@ -289,6 +290,12 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
             )
         assert "transfer.lease_stamp" in info.info.capabilities
         assert "transfer.checksums" not in info.info.capabilities
+        logs = [(run_dir / f"pd-{i}.log").read_text() for i in (0, 1)]
+        pds = [re.search(r"^pd listening on (\S+)$", text, re.MULTILINE) for text in logs]
+        router = next(
+            _json.loads(line) for line in (run_dir / "router.log").read_text().splitlines() if '"starting"' in line
+        )
+        assert all(pd is not None and pd.group(1) in str(router["settings"]["pd"]) for pd in pds), router["settings"]
     finally:
         if up.poll() is None:
             os.kill(up.pid, signal.SIGINT)

@@ -29,6 +29,14 @@ def test_bad_sources_are_refused_naming_the_setting(values: list[str], problem: 
         Source.parse(values)
 
 
+def test_backend_sources_are_named_by_their_setting() -> None:
+    assert Source.parse(["dns:///epd-prefill.epd.svc.cluster.local:50071"], "--prefill").dynamic
+    with pytest.raises(MembershipError, match="--decode: 'x' is not HOST:PORT"):
+        Source.parse(["x"], "--decode")
+    with pytest.raises(MembershipError, match="--pd: no address given"):
+        Source.parse([], "--pd")
+
+
 def test_sources_parse() -> None:
     assert Source.parse(["a:1", "b:2"]).addresses == ("a:1", "b:2")
     dns = Source.parse(["dns:///epd-encoder.epd.svc.cluster.local:50061"])
