@@ -22,7 +22,7 @@ import jsonschema
 import yaml
 
 from libs.launch.process import ROOT
-from libs.launch.stack import StackSpec
+from libs.launch.stack import StackSpec, replica_names
 
 SCHEMA_PATH = ROOT / "deploy" / "schema" / "stack.schema.json"
 # The roles each layout runs (and no others).
@@ -34,11 +34,10 @@ LAYOUT_ROLES = {
 # gRPC port of each role when the description gives none (Kubernetes; one role per pod).
 DEFAULT_PORTS = {"router": 50051, "colocated": 50051, "encoder": 50061, "prefill": 50071, "pd": 50071, "decode": 50081}
 MODEL_ROLES = ("encoder", "prefill", "decode", "pd", "colocated")
-# Stages the router reaches at one address (--prefill, --decode, --pd): one replica each, for now.
-SINGLE_BACKENDS = ("prefill", "decode", "pd")
-# Roles `epd up` runs more than one of on this host; of the stateless front-ends it runs one (on one
-# host a second router adds nothing); any other role replicated is refused locally.
-LOCAL_REPLICATED = ("encoder",)
+# Roles the router keeps a pool of (--encoders, --prefill, --decode, --pd: every replica is a member).
+POOLED = ("encoder", "prefill", "decode", "pd")
+# `epd up` runs every replica of a pooled role on this host; of the stateless front-ends it runs one
+# (on one host a second router adds nothing, and nothing balances colocated replicas).
 LOCAL_ONE_OF = ("router", "colocated")
 
 Value = str | int | float | bool
@@ -165,9 +164,6 @@ def _semantic_problems(doc: Mapping[str, Any]) -> list[str]:
     ]
     if doc.get("engine") == "vllm" and layout != "e+pd":
         problems.append(f"engine: vllm serves the E+PD layout's PD service; layout is {layout}")
-    for name in SINGLE_BACKENDS:
-        if roles.get(name, {}).get("replicas", 1) > 1:
-            problems.append(f"roles.{name}.replicas: the router addresses one {name} (a pool of them: not yet); use 1")
     for name, role in roles.items():
         scale = role.get("autoscale")
         if scale is None:
@@ -293,28 +289,28 @@ class LocalPlan:
 
 
 def stack_spec(desc: StackDescription, *, run_dir: Path, env: Mapping[str, str] | None = None) -> LocalPlan:
-    """The local stack (`epd up --config`): one process per role, encoders as replicated, every
-    service on loopback on a free port (the description's ports are per pod, for Kubernetes)."""
-    notes = []
-    for name, role in desc.roles.items():
-        if role.replicas > 1 and name in LOCAL_ONE_OF:
-            notes.append(f"roles.{name}.replicas is {role.replicas}: one {name} runs on this host")
-        elif role.replicas > 1 and name not in LOCAL_REPLICATED:
-            raise DescriptionError(
-                f"{desc.source}: roles.{name}.replicas: {role.replicas}; `epd up` runs one {name} process "
-                f"(replicated locally: {', '.join(LOCAL_REPLICATED)}); Kubernetes runs them all"
-            )
+    """The local stack (`epd up --config`): one process per role, and per replica of a pooled role
+    (encoder, prefill, decode, pd: named `ROLE-i` when there are several), every service on
+    loopback on a free port (the description's ports are per pod, for Kubernetes)."""
+    notes = [
+        f"roles.{name}.replicas is {role.replicas}: one {name} runs on this host"
+        for name, role in desc.roles.items()
+        if role.replicas > 1 and name in LOCAL_ONE_OF
+    ]
     extra_args: dict[str, list[str]] = {}
     for name in desc.roles:
         flags = _flags(role_settings(desc, name))
-        if name == "encoder":
-            for i in range(desc.roles[name].replicas):
-                extra_args[f"encoder-{i}"] = list(flags)
+        if name in POOLED:
+            for process in replica_names(name, desc.roles[name].replicas):
+                extra_args[process] = list(flags)
         else:
             extra_args[name] = flags
     spec = StackSpec(
         layout=desc.layout,
         encoders=desc.roles["encoder"].replicas if "encoder" in desc.roles else 0,
+        prefills=desc.roles["prefill"].replicas if "prefill" in desc.roles else 1,
+        decodes=desc.roles["decode"].replicas if "decode" in desc.roles else 1,
+        pds=desc.roles["pd"].replicas if "pd" in desc.roles else 1,
         model=Path(desc["model"]["path"]),
         run_dir=run_dir,
         torch_threads=desc["model"]["torch_threads"],

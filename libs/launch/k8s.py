@@ -11,10 +11,11 @@ holder as Deployments of their own. Choices (docs/deploy.md says why):
   into tensor handles, so it must be one peers can dial;
 - kubelet's gRPC probes cannot speak TLS, so every service also serves grpc.health.v1 alone,
   plaintext, on EPD_HEALTH_PORT, and all probes go there (the same rule with TLS on or off);
-- the router finds encoders through the headless Service's A records (EPD_ENCODERS=dns:///...),
-  re-resolved every `discovery.refresh_s`; a terminating pod keeps serving for `drain.prestop_s`
-  (preStop sleep) so routers drop it first, then drains for EPD_GRACE_S: the grace period covers
-  both plus a margin for the process to exit;
+- the router finds its encoders, prefills, decodes (or PDs) through their headless Services' A
+  records (EPD_ENCODERS, EPD_PREFILL, EPD_DECODE, EPD_PD = dns:///...), re-resolved every
+  `discovery.refresh_s`: every ready pod of a role is a member of the router's pool of it; a
+  terminating pod keeps serving for `drain.prestop_s` (preStop sleep) so routers drop it first,
+  then drains for EPD_GRACE_S: the grace period covers both plus a margin for the process to exit;
 - NIXL over TCP on the pod interface (EPD_UCX_TLS=tcp, EPD_UCX_NET_DEVICES=eth0): pods on one node
   are in different PID namespaces, where cross-memory attach does not work.
 """
@@ -28,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from libs.launch.config import MODEL_ROLES, Role, StackDescription, env_name, env_value, role_settings
+from libs.launch.config import MODEL_ROLES, POOLED, Role, StackDescription, env_name, env_value, role_settings
 from libs.launch.process import ROOT
 
 PART_OF = "epd"
@@ -88,7 +89,7 @@ def role_environment(desc: StackDescription, role: str) -> dict[str, str]:
         values["encoders"] = f"dns:///{service_host(desc, 'encoder')}:{desc.roles['encoder'].port}"
         for backend in ("prefill", "decode", "pd"):
             if backend in desc.roles:
-                values[backend] = f"{service_host(desc, backend)}:{desc.roles[backend].port}"
+                values[backend] = f"dns:///{service_host(desc, backend)}:{desc.roles[backend].port}"
     if desc.tls:
         values |= {
             "tls_ca": f"{TLS_MOUNT}/ca.crt",
@@ -226,8 +227,8 @@ def _service(desc: StackDescription, role: Role) -> dict[str, Any]:
         "selector": labels(role.name),
         "ports": [{"name": "grpc", "port": role.port, "targetPort": "grpc", "protocol": "TCP"}],
     }
-    if role.name == "encoder":
-        # Headless: one A record per ready encoder, what the router's dns:/// discovery reads.
+    if role.name in POOLED:
+        # Headless: one A record per ready pod, what the router's dns:/// discovery reads.
         spec |= {"clusterIP": "None", "publishNotReadyAddresses": False}
     elif role.name in ("router", "colocated"):
         spec["type"] = desc["kubernetes"]["router_service_type"]

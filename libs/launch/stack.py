@@ -1,8 +1,11 @@
 """A whole EPD stack on loopback, one process per service, in one of three layouts:
 
 - colocated: one `services.colocated` process (serves Generate itself);
-- e+pd: N encoders + one prefill-decode service + the router;
-- e/p/d: N encoders + prefill + decode + the router.
+- e+pd: N encoders + M prefill-decode services + the router;
+- e/p/d: N encoders + M prefills + K decodes + the router.
+
+Encoders are named `encoder-i`; one prefill, decode or pd is named after its role, several
+`prefill-i` (and so on). The router gets every member's address (`--prefill A,B`).
 
 Back ends start in parallel (each loads its half of the model); the router starts once their
 addresses are known. `down()` stops the router first, then the rest, each by its PID.
@@ -37,6 +40,9 @@ class StackSpec:
 
     layout: str = "e/p/d"
     encoders: int = 2
+    prefills: int = 1  # e/p/d
+    decodes: int = 1  # e/p/d
+    pds: int = 1  # e+pd
     model: Path = Path("var/models/qwen2_5_omni-tiny")
     run_dir: Path = Path("var/run/stack")
     torch_threads: int = 1
@@ -60,6 +66,13 @@ class StackSpec:
     ready_timeout_s: float = 120.0
 
 
+def replica_names(role: str, replicas: int) -> list[str]:
+    """Process names of a pooled role's replicas: encoders always numbered, others when several."""
+    if replicas == 1 and role != "encoder":
+        return [role]
+    return [f"{role}-{i}" for i in range(replicas)]
+
+
 class Stack:
     """A launched stack; use `up()` / `down()` or the `running` context manager."""
 
@@ -68,6 +81,8 @@ class Stack:
             raise ValueError(f"unknown layout {spec.layout!r}; expected one of {', '.join(LAYOUTS)}")
         if spec.layout != "colocated" and spec.encoders < 1:
             raise ValueError("a disaggregated layout needs at least one encoder")
+        if min(spec.prefills, spec.decodes, spec.pds) < 1:
+            raise ValueError("prefills, decodes and pds must be at least 1")
         if spec.engine not in ("reference", "vllm"):
             raise ValueError(f"unknown engine {spec.engine!r}; expected reference or vllm")
         if spec.engine == "vllm" and spec.layout != "e+pd":
@@ -154,14 +169,18 @@ class Stack:
                 self.store = start_store(spec.run_dir / "store", segment_size=spec.cache_store_mib << 20)
                 encoder_args += ["--cache-master", self.store.master_address]
             encoders = [self._process(f"encoder-{i}", "services.encoder", encoder_args) for i in range(spec.encoders)]
-            backends = (
-                [
-                    self._process("prefill", "services.prefill", self._model_args()),
-                    self._process("decode", "services.decode", self._model_args()),
+            model_args = self._model_args()
+            if spec.layout == "e/p/d":
+                prefills = [
+                    self._process(n, "services.prefill", model_args) for n in replica_names("prefill", spec.prefills)
                 ]
-                if spec.layout == "e/p/d"
-                else [self._process("pd", "services.pd", [*self._model_args(), *self._engine_args()])]
-            )
+                decodes = [
+                    self._process(n, "services.decode", model_args) for n in replica_names("decode", spec.decodes)
+                ]
+                backends = [*prefills, *decodes]
+            else:
+                pd_args = [*model_args, *self._engine_args()]
+                backends = [self._process(n, "services.pd", pd_args) for n in replica_names("pd", spec.pds)]
             for process in [*encoders, *backends]:
                 process.start()
             remaining = spec.ready_timeout_s
@@ -169,9 +188,10 @@ class Stack:
                 process.wait_ready(max(1.0, remaining - (time.monotonic() - started)))
             router_args = ["--layout", spec.layout, "--encoders", ",".join(p.address for p in encoders)]
             if spec.layout == "e/p/d":
-                router_args += ["--prefill", backends[0].address, "--decode", backends[1].address]
+                router_args += ["--prefill", ",".join(p.address for p in prefills)]
+                router_args += ["--decode", ",".join(p.address for p in decodes)]
             else:
-                router_args += ["--pd", backends[0].address]
+                router_args += ["--pd", ",".join(p.address for p in backends)]
             if self.store is not None:
                 router_args += ["--cache-master", self.store.master_address]
             router = self._process("router", "services.router", router_args)
@@ -200,4 +220,4 @@ class Stack:
             self.down()
 
 
-__all__ = ["LAYOUTS", "LaunchError", "Stack", "StackSpec"]
+__all__ = ["LAYOUTS", "LaunchError", "Stack", "StackSpec", "replica_names"]

@@ -52,6 +52,7 @@ from libs.rpc.retry import stopping
 from libs.telemetry.stages import ATTRIBUTION, calls_under, phase, start_phase
 from services.router.cache_lookup import CacheLookup, item_hash
 from services.router.encoders import EncoderPool
+from services.router.pool import MemberPool
 
 _log = structlog.get_logger(__name__)
 
@@ -72,6 +73,12 @@ _EMBEDDING_GONE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.
 # Decode failures, before it streamed anything, meaning "the KV it was handed is gone" (lease
 # expired, e.g. while the router waited out a decode restart; slot reclaimed): recompute once.
 _KV_GONE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS}
+# A prefill, decode or PD member's refusals before its first token that another member may not
+# share (it drains, stopped, or cannot be reached): retried on another member while one is left.
+_MEMBER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+# How long a member that refused so is passed over while another is left (seconds); a draining one
+# until membership drops it (`MemberPool.draining`'s default).
+_UNREACHABLE_AVOID_S = 5.0
 
 
 class RpcFailed(EpdError):
@@ -90,28 +97,49 @@ def _kv_lost(exc: RpcFailed) -> bool:
 
 @dataclass
 class Backends:
-    """How the router reaches each stage. `lease(address)` reaches any producer's LeaseService."""
+    """How the router reaches each stage: address -> stub, for any member of that stage's pool.
+    `lease(address)` reaches any producer's LeaseService."""
 
     encoder: Callable[[str], Any]  # address -> EncoderServiceStub
     lease: Callable[[str], Any]  # address -> LeaseServiceStub
-    prefill: Any = None  # PrefillServiceStub (E/P/D)
-    decode: Any = None  # DecodeServiceStub (E/P/D)
-    prefill_decode: Any = None  # PrefillDecodeServiceStub (E+PD)
+    prefill: Callable[[str], Any] | None = None  # address -> PrefillServiceStub (E/P/D)
+    decode: Callable[[str], Any] | None = None  # address -> DecodeServiceStub (E/P/D)
+    prefill_decode: Callable[[str], Any] | None = None  # address -> PrefillDecodeServiceStub (E+PD)
     # First-contact check of an encoder (address, instance id or None); raises FailedPrecondition.
     check_encoder: Callable[[str, str | None], Awaitable[None]] | None = None
-    # First-contact check of the prefill/decode (or PD) backends; raises FailedPrecondition.
+    # First-contact check of the prefill/decode (or PD) side as a whole; raises FailedPrecondition.
     check_backends: Callable[[], Awaitable[object]] | None = None
+    # First-contact check of one prefill (or PD) member, and of one decode member for the KV of a
+    # given prefill (decode address, prefill address); raise FailedPrecondition.
+    check_prefill: Callable[[str], Awaitable[None]] | None = None
+    check_decode: Callable[[str, str], Awaitable[None]] | None = None
     # Whether the peer at an address advertises a capability (features are negotiated this way).
     honors: Callable[[str, str], bool] | None = None
-    # Addresses of the prefill / decode / pd stages, for `honors`.
-    addresses: dict[str, str] = field(default_factory=dict)
     # The (checked) encoder's cache, as advertised in its ServiceInfo; None when it keeps none.
     encoder_cache: Callable[[str], service_info_pb2.EncoderCacheInfo | None] = lambda address: None
 
-    def priority_for(self, target: str, priority: int) -> int:
+    def priority_for(self, address: str, priority: int) -> int:
         """The request's priority for a peer that honors it (contract 1.1), else the default."""
-        address = self.addresses.get(target, target)
         return priority if self.honors is not None and self.honors(address, ADMISSION_PRIORITY) else 0
+
+
+@dataclass
+class Stages:
+    """The members of the prefill, decode and PD stages (services/router/pool.py); a stage whose
+    stub is not in `Backends` has none."""
+
+    prefill: MemberPool | None = None
+    decode: MemberPool | None = None
+    pd: MemberPool | None = None
+
+    @classmethod
+    def single(cls, backends: Backends) -> Stages:
+        """One member per stage the backends reach, named after the stage (tests)."""
+
+        def one(stage: str, stub: object) -> MemberPool | None:
+            return None if stub is None else MemberPool([stage], stage=stage)
+
+        return cls(one("prefill", backends.prefill), one("decode", backends.decode), one("pd", backends.prefill_decode))
 
 
 @dataclass
@@ -156,6 +184,10 @@ class DrainWait:
         """Whether to retry the call that failed with `exc` (after the pause)."""
         if not stopping(exc.code(), exc.details()):
             return False
+        return await self.pause()
+
+    async def pause(self) -> bool:
+        """Pause, when the deadlines leave time for another try after it; whether it paused."""
         end = self._give_up if self._deadline is None else min(self._give_up, self._deadline - _ANSWER_MARGIN_S)
         if end - time.monotonic() <= self._pause_s:
             return False
@@ -163,12 +195,67 @@ class DrainWait:
         return True
 
 
+class Attempts:
+    """The members of one stage that one call tries, in order: the least loaded member (round robin
+    on ties) that passes its first-contact check; after a refusal before the first token
+    (UNAVAILABLE, or CANCELLED by a stopping member), another member not tried yet; when none is
+    left, the drain wait (`DrainWait`) for a stage that is draining or stopping. With one member
+    this is the drain wait alone, and calls wait for a restarting member (`wait_for_ready`); with
+    several, a member that cannot be reached fails fast and the next one is tried."""
+
+    def __init__(
+        self, pool: MemberPool, check: Callable[[str], Awaitable[None]] | None, deadline: float | None
+    ) -> None:
+        self.pool = pool
+        self._check = check
+        self._drain = DrainWait(deadline)
+        self._tried: set[str] = set()
+
+    @property
+    def wait_for_ready(self) -> bool:
+        return self.pool.size <= 1
+
+    async def next(self) -> str:
+        """The member for the next try (checked); raises when no compatible member is left. A stage
+        with no member now (a discovered pool between its last pod leaving and the next ready one)
+        is waited for, within the drain wait."""
+        while not self.pool.size and await self._drain.pause():
+            pass
+        while True:
+            address = self.pool.pick(exclude=self._tried)
+            self._tried.add(address)
+            if self._check is None:
+                return address
+            try:
+                await self._check(address)
+                return address
+            except (FailedPrecondition, Unavailable) as exc:
+                if not self.pool.untried(self._tried):
+                    raise
+                _log.warning(f"{self.pool.stage} not usable; trying another", member=address, error=str(exc)[:200])
+
+    async def again(self, address: str, exc: grpc.aio.AioRpcError) -> bool:
+        """Whether to try again after `address` refused the call with `exc` before its first token."""
+        if stopping(exc.code(), exc.details()):
+            self.pool.draining(address)  # leaving: other members take its work
+        if exc.code() in _MEMBER_GONE and self.pool.untried(self._tried):
+            # Unreachable (exited, not yet out of the members) fails fast, so it would look the
+            # least loaded and draw every pick: avoid it a while too.
+            self.pool.draining(address, for_s=_UNREACHABLE_AVOID_S)
+            _log.warning(f"{self.pool.stage} refused; trying another", member=address, code=exc.code().name)
+            return True
+        if await self._drain.again(exc):
+            self._tried.clear()  # every member we may try is draining or stopping: wait for one
+            return True
+        return False
+
+
 def _rpc_error(stage: str, exc: grpc.aio.AioRpcError) -> RpcFailed:
     return RpcFailed(stage, exc.code(), exc.details() or exc.code().name)
 
 
 class Router:
-    """Serves `Generate` over an encoder pool and a prefill/decode (or PD) backend."""
+    """Serves `Generate` over an encoder pool and pools of prefill and decode (or PD) members."""
 
     def __init__(
         self,
@@ -177,10 +264,12 @@ class Router:
         limits: Limits | None = None,
         cache: CacheLookup | None = None,
         forward_media: bool = False,
+        stages: Stages | None = None,
     ) -> None:
         if backends.prefill_decode is None and (backends.prefill is None or backends.decode is None):
             raise ValueError("need prefill and decode stubs (E/P/D) or a prefill-decode stub (E+PD)")
         self._backends = backends
+        self._stages = stages or Stages.single(backends)
         self._encoders = encoders
         self._limits = limits or Limits()
         self._cache = cache or CacheLookup(None)
@@ -395,10 +484,14 @@ class Router:
 
     async def warm_up(self, addresses: Sequence[str], image: bytes, timeout_s: float = 30.0) -> int:
         """One tiny image request per encoder in `addresses`, through prefill and decode (E/P/D) or
-        PD, outside any client trace (services/router/warmup.py); returns the encoders warmed."""
+        PD, outside any client trace (services/router/warmup.py), and as many more (encoders in
+        turn) as every prefill, decode or PD member needs to see one (the pools pick each member in
+        turn); returns the requests that succeeded."""
         warmed = 0
         media = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=image)
-        for address in addresses:
+        stages = [p.size for p in (self._stages.prefill, self._stages.decode, self._stages.pd) if p is not None]
+        rounds = max([len(addresses), *stages]) if addresses else 0
+        for address in (addresses[i % len(addresses)] for i in range(rounds)):
             state = RequestState(f"warm-up-{uuid.uuid4().hex[:8]}")
             deadline = time.monotonic() + timeout_s
             try:
@@ -447,22 +540,36 @@ class Router:
     ) -> AsyncIterator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]]:
         b = self._backends
         if b.prefill_decode is not None:
+            pd_pool = self._stages.pd
+            assert pd_pool is not None
             pd_request = prefill_decode_pb2.PrefillDecodeRequest(
-                request_id=state.request_id,
-                messages=messages,
-                sampling=request.sampling,
-                priority=b.priority_for("pd", request.priority),
+                request_id=state.request_id, messages=messages, sampling=request.sampling
             )
             span = start_phase("epd.prefill_decode", **{ATTRIBUTION: "rpc"})
             pd_call = None
+            pd_attempts = Attempts(pd_pool, b.check_prefill, deadline)
             try:
-                with calls_under(span):
-                    pd_call = b.prefill_decode.PrefillDecode(
-                        pd_request, timeout=_remaining(deadline), wait_for_ready=True
-                    )
-                async for reply in pd_call:
-                    state.leases.clear()  # PD read and acked the embeddings once it streams
-                    yield reply.chunk, (reply.usage if reply.HasField("usage") else None)
+                while True:
+                    address = await pd_attempts.next()
+                    pd_request.priority = b.priority_for(address, request.priority)
+                    pd_pool.begin(address)
+                    try:
+                        with calls_under(span):
+                            pd_call = b.prefill_decode(address).PrefillDecode(
+                                pd_request, timeout=_remaining(deadline), wait_for_ready=pd_attempts.wait_for_ready
+                            )
+                        try:
+                            async for reply in pd_call:
+                                state.leases.clear()  # PD read and acked the embeddings once it streams
+                                state.streamed = True
+                                yield reply.chunk, (reply.usage if reply.HasField("usage") else None)
+                            break
+                        except grpc.aio.AioRpcError as exc:
+                            # Refused before its first token: the embeddings are still held.
+                            if state.streamed or not await pd_attempts.again(address, exc):
+                                raise
+                    finally:
+                        pd_pool.end(address)
             except grpc.aio.AioRpcError as exc:
                 raise _rpc_error("prefill" if not state.streamed else "decode", exc) from None
             finally:
@@ -473,25 +580,32 @@ class Router:
                 span.end()
             return
 
+        prefill_pool, decode_pool = self._stages.prefill, self._stages.decode
+        assert b.prefill is not None and b.decode is not None and prefill_pool is not None and decode_pool is not None
         prefill_request = prefill_pb2.PrefillRequest(
             request_id=state.request_id,
             messages=messages,
             sampling=request.sampling,
             accepted_kv_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
-            priority=b.priority_for("prefill", request.priority),
         )
+        attempts = Attempts(prefill_pool, b.check_prefill, deadline)
         try:
-            with phase("epd.prefill", **{ATTRIBUTION: "rpc"}):
-                drain = DrainWait(deadline)
+            with phase("epd.prefill", **{ATTRIBUTION: "rpc"}) as prefill_span:
                 while True:
+                    prefill_address = await attempts.next()
+                    prefill_span.set_attribute("epd.prefill", prefill_address)
+                    prefill_request.priority = b.priority_for(prefill_address, request.priority)
+                    prefill_pool.begin(prefill_address)
                     try:
-                        first = await b.prefill.Prefill(
-                            prefill_request, timeout=_remaining(deadline), wait_for_ready=True
+                        first = await b.prefill(prefill_address).Prefill(
+                            prefill_request, timeout=_remaining(deadline), wait_for_ready=attempts.wait_for_ready
                         )
                         break
                     except grpc.aio.AioRpcError as exc:
-                        if not await drain.again(exc):
+                        if not await attempts.again(prefill_address, exc):
                             raise
+                    finally:
+                        prefill_pool.end(prefill_address)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error("prefill", exc) from None
         state.leases.clear()  # prefill acked every embedding it read
@@ -499,33 +613,47 @@ class Router:
             usage = generation_pb2.Usage(prompt_tokens=first.decode_state.prompt_tokens, completion_tokens=1)
             yield first.first_chunk, usage
             return
-        state.hold(first.kv_cache.handle)
+        state.hold(first.kv_cache.handle)  # held at the prefill that produced it (the handle names it)
         yield first.first_chunk, None
         decode_request = decode_pb2.DecodeRequest(
             request_id=state.request_id,
             kv_cache=first.kv_cache,
             decode_state=first.decode_state,
             sampling=request.sampling,
-            priority=b.priority_for("decode", request.priority),
         )
         span = start_phase("epd.decode", **{ATTRIBUTION: "rpc"})
         replies = 0
-        drain = DrainWait(deadline)
+        check_decode = b.check_decode
+        attempts = Attempts(
+            decode_pool,
+            None if check_decode is None else lambda address: check_decode(address, prefill_address),
+            deadline,
+        )
         call = None
         try:
             while True:
-                with calls_under(span):
-                    call = b.decode.Decode(decode_request, timeout=_remaining(deadline), wait_for_ready=True)
+                address = await attempts.next()
+                span.set_attribute("epd.decode", address)
+                decode_request.priority = b.priority_for(address, request.priority)
+                decode_pool.begin(address)
                 try:
-                    async for reply in call:
-                        replies += 1
-                        state.leases.clear()  # decode acked the KV before streaming
-                        yield reply.chunk, (reply.usage if reply.HasField("usage") else None)
-                    break
-                except grpc.aio.AioRpcError as exc:
-                    # A decode that refused us before reading anything: the KV is still held.
-                    if replies or not await drain.again(exc):
-                        raise
+                    with calls_under(span):
+                        call = b.decode(address).Decode(
+                            decode_request, timeout=_remaining(deadline), wait_for_ready=attempts.wait_for_ready
+                        )
+                    try:
+                        async for reply in call:
+                            replies += 1
+                            state.leases.clear()  # decode acked the KV before streaming
+                            yield reply.chunk, (reply.usage if reply.HasField("usage") else None)
+                        break
+                    except grpc.aio.AioRpcError as exc:
+                        # A decode that refused us before reading anything: the KV is still held,
+                        # and any other decode can read it.
+                        if replies or not await attempts.again(address, exc):
+                            raise
+                finally:
+                    decode_pool.end(address)
         except grpc.aio.AioRpcError as exc:
             raise RpcFailed("decode", exc.code(), exc.details() or exc.code().name, kv_unread=not replies) from None
         finally:

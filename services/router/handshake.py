@@ -1,20 +1,24 @@
 """The router's first-contact checks of its backends, with the shared peer directory.
 
 Before using an encoder, the router checks that it speaks our contract major, is an encoder,
-serves the same model as prefill (or PD), and emits the embedding specs prefill consumes. Prefill
-and decode must serve the same model. Results are cached per peer incarnation: a handle naming a
-new `instance_id` (the encoder restarted) triggers a re-check.
+serves the same model as prefill (or PD), and emits the embedding specs prefill consumes. Every
+prefill, decode (or PD) member is checked likewise before its first call: the right role, the
+same model, and a decode on the same engine as the prefill whose KV it reads. Results are cached
+per peer incarnation: a handle naming a new `instance_id` (the encoder restarted) triggers a
+re-check.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Iterable
 
 from libs.cache.keys import CACHED_ONLY
 from libs.contract.epd.v1 import service_info_pb2
-from libs.contract.errors import FailedPrecondition
+from libs.contract.errors import EpdError, FailedPrecondition, Unavailable
 from libs.engines.identity import engine_of
 from libs.rpc.peers import PeerDirectory, check_embedding_specs, check_peer
+from services.router.pool import MemberPool
 
 ROLE = service_info_pb2
 
@@ -35,28 +39,75 @@ def check_engine_pair(
 
 
 class BackendChecks:
-    def __init__(self, peers: PeerDirectory, *, prefill: str, decode: str | None) -> None:
+    """First-contact checks of every member of the router's pools. The stack's model is the first
+    prefill (or PD) member's that passes; every other member must serve the same one, and a KV
+    cache moves only between a prefill and a decode of the same engine."""
+
+    def __init__(self, peers: PeerDirectory, *, prefill: MemberPool, decode: MemberPool | None) -> None:
         self._peers = peers
-        self._prefill = prefill
+        self._prefill = prefill  # the prefill pool (E/P/D) or the PD pool (E+PD)
         self._decode = decode
+        self._roles = [ROLE.SERVICE_ROLE_PREFILL] if decode is not None else [ROLE.SERVICE_ROLE_PREFILL_DECODE]
         self._backend: service_info_pb2.ServiceInfo | None = None
         self._lock = asyncio.Lock()
 
+    async def _member(
+        self, address: str, roles: Iterable[int], model: service_info_pb2.ModelIdentity | None
+    ) -> service_info_pb2.ServiceInfo:
+        info = await self._peers.info(address)
+        try:
+            check_peer(info, address, roles=roles, model=model)
+        except FailedPrecondition:
+            self._peers.forget(address)  # re-read next time: it may be replaced by a good one
+            raise
+        return info
+
+    @staticmethod
+    async def _first(pool: MemberPool, check: Callable[[str], Awaitable[object]]) -> str:
+        """The first member of `pool` that passes `check`; else the first refusal (or unreachable)."""
+        failures: list[EpdError] = []
+        for address in list(pool.outstanding):
+            try:
+                await check(address)
+                return address
+            except (FailedPrecondition, Unavailable) as exc:
+                failures.append(exc)
+        if not failures:
+            raise Unavailable(f"no {pool.stage} member (yet)")
+        refused = [f for f in failures if isinstance(f, FailedPrecondition)]
+        raise (refused or failures)[0]
+
     async def backend(self) -> service_info_pb2.ServiceInfo:
-        """Prefill's (or PD's) checked info; decode must serve the same model."""
+        """The model-serving side's checked info (a prefill's or PD's); at least one decode must serve
+        the same model on the same engine."""
         if self._backend is not None:
             return self._backend
         async with self._lock:
             if self._backend is None:
-                roles = [ROLE.SERVICE_ROLE_PREFILL] if self._decode else [ROLE.SERVICE_ROLE_PREFILL_DECODE]
-                info = await self._peers.info(self._prefill)
-                check_peer(info, self._prefill, roles=roles)
-                if self._decode:
-                    decode = await self._peers.info(self._decode)
-                    check_peer(decode, self._decode, roles=[ROLE.SERVICE_ROLE_DECODE], model=info.model)
-                    check_engine_pair(info, self._prefill, decode, self._decode)
+                address = await self._first(self._prefill, lambda a: self._member(a, self._roles, None))
+                info = self._peers.cached(address)
+                assert info is not None
+                if self._decode is not None:
+                    # Checked against this prefill before it becomes the reference.
+                    await self._first(self._decode, lambda a: self._decode_against(a, info, address))
                 self._backend = info
         return self._backend
+
+    async def _decode_against(self, address: str, prefill: service_info_pb2.ServiceInfo, prefill_address: str) -> None:
+        info = await self._member(address, [ROLE.SERVICE_ROLE_DECODE], prefill.model)
+        check_engine_pair(prefill, prefill_address, info, address)
+
+    async def prefill(self, address: str) -> None:
+        """Raise FailedPrecondition when the prefill (or PD) member at `address` cannot serve this stack."""
+        backend = await self.backend()
+        await self._member(address, self._roles, backend.model)
+
+    async def decode(self, address: str, prefill_address: str) -> None:
+        """Raise FailedPrecondition when the decode at `address` cannot read `prefill_address`'s KV."""
+        backend = await self.backend()
+        prefill = self._peers.cached(prefill_address)
+        prefill = backend if prefill is None else prefill
+        await self._decode_against(address, prefill, prefill_address)
 
     def encoder_cache(self, address: str) -> service_info_pb2.EncoderCacheInfo | None:
         """The (already checked) encoder's cache, when it serves CACHED_ONLY jobs."""

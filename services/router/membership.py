@@ -1,13 +1,14 @@
-"""Where the router's encoders come from, and keeping that list current while it runs.
+"""Where the router's backends come from, and keeping those lists current while it runs.
 
-`--encoders` is one of:
+`--encoders`, `--prefill`, `--decode` and `--pd` each take one of:
 - addresses, `HOST:PORT,HOST:PORT` (fixed for the life of the process);
 - `dns:///NAME:PORT`: every A/AAAA record of NAME, at PORT (a Kubernetes headless Service has one
   record per ready pod);
 - `file:///PATH`: one `HOST:PORT` per line (`#` comments, blank lines ignored).
-DNS and file members are re-read every `refresh_s` (`Membership.run`) and handed to the pool,
-which starts using a new member at once and stops picking a departed one (its in-flight jobs
-finish; an encoder drains on SIGTERM, so nothing it holds is lost). A failed re-read (resolver
+DNS and file members are re-read every `refresh_s` (`Membership.run`) and handed to the stage's
+pool (services/router/pool.py), which starts using a new member at once and stops picking a
+departed one (its in-flight calls finish; every service drains on SIGTERM, so nothing it holds
+is lost). A failed re-read (resolver
 timeout, unreadable file) keeps the last members; a name that does not exist or an empty file
 means no members.
 """
@@ -25,6 +26,7 @@ import structlog
 
 from libs.rpc.peers import PeerDirectory
 from services.router.encoders import EncoderPool
+from services.router.pool import MemberPool
 
 _log = structlog.get_logger(__name__)
 
@@ -54,7 +56,7 @@ def _host_port(address: str) -> str:
 
 @dataclass(frozen=True)
 class Source:
-    """One parsed `--encoders` value."""
+    """One parsed `--encoders` (or `--prefill`, `--decode`, `--pd`) value."""
 
     kind: str  # "static", "dns" or "file"
     addresses: tuple[str, ...] = ()
@@ -89,7 +91,7 @@ class Source:
         if any(v.startswith(("dns:", "file:")) for v in values):
             raise MembershipError(f"{setting}: dns:/// or file:/// stands alone, not in a list")
         if not values:
-            raise MembershipError(f"{setting}: no encoder given")
+            raise MembershipError(f"{setting}: no address given")
         return cls("static", addresses=tuple(check_address(v, setting) for v in values))
 
     async def resolve(self) -> list[str]:
@@ -184,14 +186,9 @@ class Membership:
             self._task = None
 
 
-async def encoder_pool(
-    values: Sequence[str], *, slack: int, refresh_s: float, peers: PeerDirectory
-) -> tuple[EncoderPool, Membership]:
-    """The router's encoder pool from `--encoders`, read once now; dynamic sources keep being
-    re-read once `Membership.start()` runs. Channels to departed encoders are closed once their
-    last job ended."""
-    source = Source.parse(values)
-    pool = EncoderPool(source.addresses, slack=slack, dynamic=source.dynamic)
+async def follow(pool: MemberPool, source: Source, *, refresh_s: float, peers: PeerDirectory) -> Membership:
+    """Keep `pool` at `source`'s members, read once now; dynamic sources keep being re-read once
+    `Membership.start()` runs. Channels to departed members are closed once their last call ended."""
 
     async def apply(members: list[str]) -> None:
         for address in pool.update(members):
@@ -199,4 +196,22 @@ async def encoder_pool(
 
     membership = Membership(source, apply, refresh_s=refresh_s)
     await membership.refresh()
-    return pool, membership
+    return membership
+
+
+async def encoder_pool(
+    values: Sequence[str], *, slack: int, refresh_s: float, peers: PeerDirectory
+) -> tuple[EncoderPool, Membership]:
+    """The router's encoder pool from `--encoders` (see `follow`)."""
+    source = Source.parse(values)
+    pool = EncoderPool(source.addresses, slack=slack, dynamic=source.dynamic)
+    return pool, await follow(pool, source, refresh_s=refresh_s, peers=peers)
+
+
+async def member_pool(
+    values: Sequence[str], *, stage: str, refresh_s: float, peers: PeerDirectory
+) -> tuple[MemberPool, Membership]:
+    """The pool of one stage (prefill, decode, pd) from its setting `--STAGE` (see `follow`)."""
+    source = Source.parse(values, f"--{stage}")
+    pool = MemberPool(source.addresses, stage=stage, dynamic=source.dynamic)
+    return pool, await follow(pool, source, refresh_s=refresh_s, peers=peers)

@@ -27,9 +27,9 @@ from libs.rpc.identity import INSTANCE_ID, SOFTWARE_VERSION
 from libs.rpc.main import ServiceParts, client_facing, service_main
 from libs.rpc.peers import PeerDirectory
 from services.router.cache_lookup import CacheLookup
-from services.router.core import Backends, Router
+from services.router.core import Backends, Router, Stages
 from services.router.handshake import BackendChecks
-from services.router.membership import MembershipError, encoder_pool
+from services.router.membership import MembershipError, encoder_pool, member_pool
 from services.router.warmup import tiny_png
 
 
@@ -44,9 +44,11 @@ class RouterSettings(ClientAuthSettings, CommonSettings):
         "headless Service), or file:///PATH (one address per line); dns and file are re-read while running",
     )
     discovery_refresh_s: float = setting(2.0, "seconds between re-reads of dns:/// and file:/// members")
-    prefill: str = setting("", "prefill address (e/p/d)")
-    decode: str = setting("", "decode address (e/p/d)")
-    pd: str = setting("", "prefill-decode address (e+pd)")
+    prefill: tuple[str, ...] = setting(
+        (), "prefill members (e/p/d): addresses, dns:///NAME:PORT or file:///PATH, as --encoders"
+    )
+    decode: tuple[str, ...] = setting((), "decode members (e/p/d): addresses, dns:///NAME:PORT or file:///PATH")
+    pd: tuple[str, ...] = setting((), "prefill-decode members (e+pd): addresses, dns:///NAME:PORT or file:///PATH")
     max_running: int = setting(64, "requests generating at once")
     max_waiting: int = setting(256, "requests waiting for a slot before RESOURCE_EXHAUSTED")
     grace_s: float = setting(10.0, "seconds in-flight requests get on shutdown")
@@ -91,32 +93,47 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     peers = PeerDirectory()  # roles are checked per backend by BackendChecks
     encoder = lambda a: encoder_pb2_grpc.EncoderServiceStub(peers.channel(a))  # noqa: E731
     lease = lambda a: lease_pb2_grpc.LeaseServiceStub(peers.channel(a))  # noqa: E731
-    if settings.layout == "e/p/d":
-        if not (settings.prefill and settings.decode):
-            raise SystemExit("router: --prefill and --decode are required for layout e/p/d")
-        backends = Backends(
-            encoder=encoder,
-            lease=lease,
-            prefill=prefill_pb2_grpc.PrefillServiceStub(peers.channel(settings.prefill)),
-            decode=decode_pb2_grpc.DecodeServiceStub(peers.channel(settings.decode)),
-        )
-    else:
-        if not settings.pd:
-            raise SystemExit("router: --pd is required for layout e+pd")
-        backends = Backends(
-            encoder=encoder,
-            lease=lease,
-            prefill_decode=prefill_decode_pb2_grpc.PrefillDecodeServiceStub(peers.channel(settings.pd)),
-        )
-    checks = BackendChecks(
-        peers,
-        prefill=settings.prefill if settings.layout == "e/p/d" else settings.pd,
-        decode=settings.decode if settings.layout == "e/p/d" else None,
-    )
+    stages = Stages()
+    memberships = []
+    try:
+        if settings.layout == "e/p/d":
+            if not (settings.prefill and settings.decode):
+                raise SystemExit("router: --prefill and --decode are required for layout e/p/d")
+            stages.prefill, prefills = await member_pool(
+                settings.prefill, stage="prefill", refresh_s=settings.discovery_refresh_s, peers=peers
+            )
+            stages.decode, decodes = await member_pool(
+                settings.decode, stage="decode", refresh_s=settings.discovery_refresh_s, peers=peers
+            )
+            memberships += [prefills, decodes]
+            backends = Backends(
+                encoder=encoder,
+                lease=lease,
+                prefill=lambda a: prefill_pb2_grpc.PrefillServiceStub(peers.channel(a)),
+                decode=lambda a: decode_pb2_grpc.DecodeServiceStub(peers.channel(a)),
+            )
+        else:
+            if not settings.pd:
+                raise SystemExit("router: --pd is required for layout e+pd")
+            stages.pd, pds = await member_pool(
+                settings.pd, stage="pd", refresh_s=settings.discovery_refresh_s, peers=peers
+            )
+            memberships.append(pds)
+            backends = Backends(
+                encoder=encoder,
+                lease=lease,
+                prefill_decode=lambda a: prefill_decode_pb2_grpc.PrefillDecodeServiceStub(peers.channel(a)),
+            )
+    except MembershipError as exc:
+        raise SystemExit(f"router: {exc}") from None
+    model_side = stages.prefill if stages.prefill is not None else stages.pd
+    assert model_side is not None
+    checks = BackendChecks(peers, prefill=model_side, decode=stages.decode)
     backends.check_encoder = checks.encoder
     backends.check_backends = checks.backend
+    backends.check_prefill = checks.prefill
+    backends.check_decode = checks.decode
     backends.honors = checks.honors
-    backends.addresses = {"prefill": settings.prefill, "decode": settings.decode, "pd": settings.pd}
     backends.encoder_cache = checks.encoder_cache
     store = None
     if settings.cache_master:
@@ -135,8 +152,10 @@ async def setup(settings: RouterSettings) -> ServiceParts:
         )
     except MembershipError as exc:
         raise SystemExit(f"router: {exc}") from None
-    membership.start()
-    router = Router(backends, pool, cache=cache, forward_media=settings.forward_media)
+    memberships.append(membership)
+    for each in memberships:
+        each.start()
+    router = Router(backends, pool, cache=cache, forward_media=settings.forward_media, stages=stages)
     admission = Admission("router", settings.max_running, settings.max_waiting)
     info = service_info_pb2.ServiceInfo(
         contract_version=version.current(),
@@ -147,7 +166,8 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     )
 
     async def close() -> None:
-        await membership.stop()
+        for each in memberships:
+            await each.stop()
         cache.close()
         await peers.close()
 

@@ -109,7 +109,6 @@ def test_the_schema_offers_each_role_only_settings_it_has() -> None:
             "roles.encoder.autoscale: min_replicas 4 > max_replicas 2",
         ),
         (lambda d: d["roles"]["prefill"].update(autoscale={"max_replicas": 2}), "only the encoder pool autoscales"),
-        (lambda d: d["roles"]["decode"].update(replicas=2), "roles.decode.replicas: the router addresses one decode"),
         (lambda d: d.update(engine="vllm"), "engine: vllm serves the E+PD layout"),
         (lambda d: d["roles"]["router"].update(port=9090), "roles.router.port: 9090 is also telemetry.metrics_port"),
         (lambda d: d.update(tls={"enabled": "yes"}), "tls.enabled: 'yes' is not of type 'boolean'"),
@@ -173,6 +172,24 @@ def test_the_local_plan_passes_each_setting_as_a_flag_its_service_parses(tmp_pat
     assert plan.notes == ()
 
 
+def test_prefill_and_decode_replicas_are_pools_locally_and_in_kubernetes(tmp_path: Path) -> None:
+    from libs.launch.k8s import role_documents
+
+    doc = _minimal()
+    doc["roles"]["prefill"]["replicas"] = 2
+    doc["roles"]["decode"]["replicas"] = 3
+    desc = parse_description(doc, Path("x.yaml"))
+    spec = stack_spec(desc, run_dir=tmp_path).spec
+    assert (spec.prefills, spec.decodes) == (2, 3)
+    assert {"prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2"} <= set(spec.extra_args)
+    assert "prefill" not in spec.extra_args
+    for role, count in (("prefill", 2), ("decode", 3)):
+        kinds = {d["kind"]: d for d in role_documents(desc, desc.roles[role])}
+        assert kinds["Deployment"]["spec"]["replicas"] == count
+        assert kinds["Service"]["spec"]["clusterIP"] == "None"  # headless: the router's dns:/// pool
+        assert "PodDisruptionBudget" in kinds
+
+
 def test_the_local_plan_runs_one_front_end(tmp_path: Path) -> None:
     doc = _minimal()
     doc["roles"]["router"]["replicas"] = 3
@@ -211,7 +228,8 @@ def test_a_description_is_immutable() -> None:
 @pytest.mark.timeout(240)
 def test_epd_up_runs_a_description(tmp_path: Path) -> None:
     """`epd up --config` on a real E+PD stack: the description's settings reach the services (the
-    encoder runs without checksums and advertises none), and a request is served."""
+    encoder runs without checksums and advertises none), two PD replicas run and the router pools
+    them, and a request is served."""
     import json as _json
     import os
     import re
@@ -231,7 +249,7 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
         "name": "t",
         "layout": "e+pd",
         "model": {"path": str(model)},
-        "roles": {"router": {}, "encoder": {"settings": {"cached_max_running": 2}}, "pd": {}},
+        "roles": {"router": {}, "encoder": {"settings": {"cached_max_running": 2}}, "pd": {"replicas": 2}},
         "transport": {"checksums": False, "pool_mib": 32},
         "drain": {"grace_s": 5},
     }
@@ -272,6 +290,12 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
             )
         assert "transfer.lease_stamp" in info.info.capabilities
         assert "transfer.checksums" not in info.info.capabilities
+        logs = [(run_dir / f"pd-{i}.log").read_text() for i in (0, 1)]
+        pds = [re.search(r"^pd listening on (\S+)$", text, re.MULTILINE) for text in logs]
+        router = next(
+            _json.loads(line) for line in (run_dir / "router.log").read_text().splitlines() if '"starting"' in line
+        )
+        assert all(pd is not None and pd.group(1) in str(router["settings"]["pd"]) for pd in pds), router["settings"]
     finally:
         if up.poll() is None:
             os.kill(up.pid, signal.SIGINT)

@@ -161,7 +161,11 @@ def test_manifests_agree_with_the_services_settings(description: Path) -> None:
         for backend in ("prefill", "decode", "pd"):
             if backend in desc.roles:
                 port = services[f"epd-{backend}"]["spec"]["ports"][0]["port"]
-                assert getattr(router, backend) == f"epd-{backend}.{namespace}.svc.cluster.local:{port}"
+                # A pool, like the encoders: every ready pod of the headless Service is a member.
+                assert getattr(router, backend) == (f"dns:///epd-{backend}.{namespace}.svc.cluster.local:{port}",)
+                assert services[f"epd-{backend}"]["spec"]["clusterIP"] == "None"
+                lifecycle = deployments[f"epd-{backend}"]["spec"]["template"]["spec"]["containers"][0]["lifecycle"]
+                assert lifecycle["preStop"]["sleep"]["seconds"] >= router.discovery_refresh_s
     if desc.store_enabled:
         master = services["epd-store-master"]["spec"]["ports"][0]["port"]
         for role in ("encoder", "router"):

@@ -28,6 +28,7 @@ from libs.contract.epd.v1 import (
 from libs.contract.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.router.core import Backends, Router, RpcFailed
 from services.router.encoders import EncoderPool
+from services.router.pool import MemberPool
 from tests.contract import samples
 
 
@@ -160,7 +161,10 @@ class Harness:
         self.prefill = Prefill(kw.get("prefill_fail_first"), kw.get("prefill_first_tokens", (7,)))
         self.decode = Decode(kw.get("decode_fail_before", False), kw.get("decode_fail_first", ()))
         backends = Backends(
-            encoder=self.encoders.__getitem__, lease=self.leases.stub, prefill=self.prefill, decode=self.decode
+            encoder=self.encoders.__getitem__,
+            lease=self.leases.stub,
+            prefill=lambda address: self.prefill,
+            decode=lambda address: self.decode,
         )
         if "encoder_cache" in kw:
             backends.encoder_cache = kw["encoder_cache"]
@@ -371,8 +375,10 @@ def test_e_plus_pd_layout() -> None:
             return calls[-1]
 
     log: list[tuple[str, int]] = []
+    pd = PD()
     router = Router(
-        Backends(encoder=lambda a: Encoder(a, log), lease=Leases().stub, prefill_decode=PD()), EncoderPool(["e"])
+        Backends(encoder=lambda a: Encoder(a, log), lease=Leases().stub, prefill_decode=lambda a: pd),
+        EncoderPool(["e"]),
     )
 
     async def run() -> list[int]:
@@ -530,7 +536,7 @@ def test_other_unavailable_from_prefill_is_not_retried_as_a_drain() -> None:
 
 def test_priority_is_forwarded_only_to_peers_that_honor_it() -> None:
     h = Harness()
-    h.router._backends.addresses = {"prefill": "p:1", "decode": "d:1"}
+    h.router._stages.prefill, h.router._stages.decode = MemberPool(["p:1"]), MemberPool(["d:1"])
     honoring = {"enc1", "p:1"}  # enc0 and decode speak contract 1.0: no "admission.priority"
     h.router._backends.honors = lambda address, capability: address in honoring
     seen: list[tuple[str, int]] = []

@@ -22,12 +22,20 @@ from services.router.membership import Membership, MembershipError, ResolveFaile
         (["file://relative/path"], "is not file:///ABSOLUTE/PATH"),
         (["127.0.0.1:1", "dns:///e:1"], "stands alone"),
         (["127.0.0.1"], "'127.0.0.1' is not HOST:PORT"),
-        ([], "no encoder given"),
+        ([], "no address given"),
     ],
 )
 def test_bad_sources_are_refused_naming_the_setting(values: list[str], problem: str) -> None:
     with pytest.raises(MembershipError, match="--encoders: .*" + problem.replace("(", r"\(").replace(")", r"\)")):
         Source.parse(values)
+
+
+def test_backend_sources_are_named_by_their_setting() -> None:
+    assert Source.parse(["dns:///epd-prefill.epd.svc.cluster.local:50071"], "--prefill").dynamic
+    with pytest.raises(MembershipError, match="--decode: 'x' is not HOST:PORT"):
+        Source.parse(["x"], "--decode")
+    with pytest.raises(MembershipError, match="--pd: no address given"):
+        Source.parse([], "--pd")
 
 
 def test_sources_parse() -> None:

@@ -1,0 +1,239 @@
+"""Prefill, decode and PD pools in the router core, without sockets: the picker (least outstanding,
+round robin on ties, draining and departed members), the KV handoff to any decode, retries on
+another member before the first token, per-member checks, and leases released at the producer
+that holds them. tests/services/test_pools.py runs the real services."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from libs.contract.epd.v1 import decode_pb2, generation_pb2, prefill_decode_pb2, prefill_pb2
+from libs.contract.errors import FailedPrecondition, Unavailable
+from libs.rpc.retry import DRAINING
+from services.router.core import Backends, Router, Stages
+from services.router.encoders import EncoderPool
+from services.router.pool import MemberPool
+from tests.contract import samples
+from tests.router.test_core import Encoder, Leases, StreamCall, _error, _request
+
+
+def test_least_outstanding_with_round_robin_on_ties() -> None:
+    pool = MemberPool(["a", "b", "c"], stage="prefill")
+    assert [pool.pick() for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    pool.begin("a")
+    pool.begin("b")
+    assert [pool.pick() for _ in range(2)] == ["c", "c"]  # the only idle one, while the others are busy
+    pool.begin("c")
+    pool.begin("c")
+    assert pool.pick() in {"a", "b"}
+    assert pool.pick(exclude={"a", "b"}) == "c"
+    with pytest.raises(Unavailable, match="no prefill left to try"):
+        pool.pick(exclude={"a", "b", "c"})
+
+
+def test_members_change_draining_is_avoided_and_departed_are_never_picked() -> None:
+    pool = MemberPool([], stage="decode", dynamic=True)
+    with pytest.raises(Unavailable, match="no decode"):
+        pool.pick()
+    pool.update(["a", "b"])
+    pool.draining("a")
+    assert {pool.pick() for _ in range(4)} == {"b"}
+    assert pool.pick(exclude={"b"}) == "a"  # the only one left: still tried
+    pool.begin("b")
+    assert pool.update(["a"]) == []  # b leaves with a call in flight: its channel stays
+    assert {pool.pick() for _ in range(3)} == {"a"}  # (draining, but the only member)
+    pool.end("b")
+    assert pool.update(["a", "c"]) == ["b"]
+    assert pool.pick() == "c"  # the new member at once
+    assert pool.untried({"a"}) and not pool.untried({"a", "c"})
+    with pytest.raises(ValueError, match="at least one decode address"):
+        MemberPool([], stage="decode")
+
+
+class Prefill:
+    """One prefill member: its KV handles name it as their producer."""
+
+    def __init__(self, address: str, refuse: grpc.StatusCode | None = None, details: str = DRAINING) -> None:
+        self.address, self.refuse, self.details = address, refuse, details
+        self.requests: list[prefill_pb2.PrefillRequest] = []
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, timeout: float | None = None, **kw: Any) -> Any:
+        self.requests.append(request)
+        if self.refuse is not None:
+            raise _error(self.refuse, self.details)
+        await asyncio.sleep(0.02)
+        kv = samples.kv_cache(tokens=10)
+        kv.handle.agent.producer_address = self.address
+        kv.handle.lease_id = f"{self.address}/kv{len(self.requests)}"
+        return prefill_pb2.PrefillResponse(
+            first_chunk=generation_pb2.TokenChunk(token_ids=[7]),
+            kv_cache=kv,
+            decode_state=prefill_pb2.DecodeState(next_input_token_id=7, generated_tokens=1, prompt_tokens=10),
+        )
+
+
+class Decode:
+    def __init__(self, address: str, refuse: grpc.StatusCode | None = None) -> None:
+        self.address, self.refuse = address, refuse
+        self.requests: list[decode_pb2.DecodeRequest] = []
+
+    def Decode(self, request: decode_pb2.DecodeRequest, timeout: float | None = None, **kw: Any) -> StreamCall:
+        self.requests.append(request)
+
+        async def stream() -> AsyncIterator[Any]:
+            if self.refuse is not None:
+                raise _error(self.refuse, DRAINING)
+            await asyncio.sleep(0.02)
+            for token in (8, 9):
+                yield decode_pb2.DecodeResponse(chunk=generation_pb2.TokenChunk(token_ids=[token]))
+
+        return StreamCall(stream())
+
+
+class Pools:
+    def __init__(self, prefills: list[Prefill], decodes: list[Decode]) -> None:
+        self.prefills = {p.address: p for p in prefills}
+        self.decodes = {d.address: d for d in decodes}
+        self.log: list[tuple[str, int]] = []
+        self.leases = Leases()
+        self.checked: list[tuple[str, ...]] = []
+        self.backends = Backends(
+            encoder=lambda a: Encoder(a, self.log),
+            lease=self.leases.stub,
+            prefill=self.prefills.__getitem__,
+            decode=self.decodes.__getitem__,
+        )
+        self.stages = Stages(MemberPool(list(self.prefills), stage="prefill"), MemberPool(list(self.decodes)))
+        self.router = Router(self.backends, EncoderPool(["enc0"]), stages=self.stages)
+
+    async def tokens(self, images: int = 1) -> list[int]:
+        return [t async for r in self.router.generate(_request(images)) for t in r.chunk.token_ids]
+
+    def run(self, requests: int) -> list[list[int]]:
+        async def go() -> list[list[int]]:
+            return list(await asyncio.gather(*(self.tokens() for _ in range(requests))))
+
+        return asyncio.run(go())
+
+
+def test_concurrent_requests_spread_over_both_pools_and_the_kv_goes_to_any_decode() -> None:
+    pools = Pools([Prefill("p0:1"), Prefill("p1:1")], [Decode("d0:1"), Decode("d1:1")])
+    assert pools.run(8) == [[7, 8, 9]] * 8
+    # Concurrent arrivals alternate (least outstanding, round robin on ties); timing may skew it a little.
+    assert all(len(p.requests) >= 3 for p in pools.prefills.values())
+    assert all(len(d.requests) >= 3 for d in pools.decodes.values())
+    assert sum(len(d.requests) for d in pools.decodes.values()) == 8
+    producers = Counter(r.kv_cache.handle.agent.producer_address for d in pools.decodes.values() for r in d.requests)
+    assert producers == {a: len(p.requests) for a, p in pools.prefills.items()}  # handles name their producer
+    assert pools.leases.released == {}  # every consumer acked: nothing to release
+    assert all(n == 0 for n in pools.stages.prefill.outstanding.values())  # type: ignore[union-attr]
+
+
+def test_a_draining_prefill_is_retried_elsewhere_and_then_avoided() -> None:
+    pools = Pools([Prefill("p0:1", refuse=grpc.StatusCode.UNAVAILABLE), Prefill("p1:1")], [Decode("d0:1")])
+    assert pools.run(6) == [[7, 8, 9]] * 6
+    assert len(pools.prefills["p1:1"].requests) == 6
+    # Refused at most by the requests that had picked it before the first refusal came back.
+    refused = len(pools.prefills["p0:1"].requests)
+    assert 1 <= refused <= 3
+    assert asyncio.run(pools.tokens()) == [7, 8, 9]
+    assert len(pools.prefills["p0:1"].requests) == refused  # draining: no longer picked
+
+
+def test_a_prefill_that_cannot_be_reached_is_retried_on_another() -> None:
+    down = Prefill("p0:1", refuse=grpc.StatusCode.UNAVAILABLE, details="failed to connect to all addresses")
+    pools = Pools([down, Prefill("p1:1")], [Decode("d0:1")])
+    assert pools.run(4) == [[7, 8, 9]] * 4
+    assert len(pools.prefills["p1:1"].requests) == 4
+    tried = len(down.requests)
+    assert 1 <= tried <= 2
+    # Failing fast, it would look the least loaded and draw every pick: it is passed over a while.
+    assert pools.run(4) == [[7, 8, 9]] * 4
+    assert len(down.requests) == tried
+
+
+def test_a_decode_refusing_before_its_first_token_is_retried_on_another_with_the_same_kv() -> None:
+    pools = Pools([Prefill("p0:1")], [Decode("d0:1", refuse=grpc.StatusCode.UNAVAILABLE), Decode("d1:1")])
+    assert pools.run(4) == [[7, 8, 9]] * 4
+    assert len(pools.decodes["d1:1"].requests) == 4
+    refused = pools.decodes["d0:1"].requests
+    assert refused and {r.kv_cache.handle.lease_id for r in refused} <= {
+        r.kv_cache.handle.lease_id for r in pools.decodes["d1:1"].requests
+    }
+    assert pools.leases.released == {}
+
+
+def test_when_every_decode_refuses_the_kv_lease_is_released_at_its_prefill() -> None:
+    pools = Pools(
+        [Prefill("p0:1"), Prefill("p1:1")],
+        [Decode("d0:1", refuse=grpc.StatusCode.INTERNAL), Decode("d1:1", refuse=grpc.StatusCode.INTERNAL)],
+    )
+
+    async def go() -> None:
+        for _ in range(2):
+            with pytest.raises(Exception, match="decode"):
+                await pools.tokens()
+
+    asyncio.run(go())
+    assert pools.leases.released == {"p0:1": {"p0:1/kv1"}, "p1:1": {"p1:1/kv1"}}  # each at its producer
+
+
+def test_an_incompatible_member_is_skipped_and_the_decode_check_names_the_prefill() -> None:
+    pools = Pools([Prefill("p0:1"), Prefill("p1:1")], [Decode("d0:1"), Decode("d1:1")])
+
+    async def check_prefill(address: str) -> None:
+        pools.checked.append(("prefill", address))
+        if address == "p0:1":
+            raise FailedPrecondition("peer p0:1 serves another model")
+
+    async def check_decode(address: str, prefill: str) -> None:
+        pools.checked.append(("decode", address, prefill))
+
+    pools.backends.check_prefill, pools.backends.check_decode = check_prefill, check_decode
+    assert pools.run(4) == [[7, 8, 9]] * 4
+    assert not pools.prefills["p0:1"].requests and len(pools.prefills["p1:1"].requests) == 4
+    assert {c for c in pools.checked if c[0] == "decode"} == {("decode", "d0:1", "p1:1"), ("decode", "d1:1", "p1:1")}
+
+
+def test_pd_pool_spreads_and_retries_a_refusal_before_the_first_token() -> None:
+    calls: Counter[str] = Counter()
+
+    class PD:
+        def __init__(self, address: str, refuse: bool = False) -> None:
+            self.address, self.refuse = address, refuse
+
+        def PrefillDecode(self, request: Any, timeout: float | None = None, **kw: Any) -> StreamCall:
+            calls[self.address] += 1
+
+            async def stream() -> AsyncIterator[Any]:
+                if self.refuse:
+                    raise _error(grpc.StatusCode.UNAVAILABLE, DRAINING)
+                await asyncio.sleep(0.02)
+                for token in (5, 6):
+                    yield prefill_decode_pb2.PrefillDecodeResponse(chunk=generation_pb2.TokenChunk(token_ids=[token]))
+
+            return StreamCall(stream())
+
+    members = {"pd0:1": PD("pd0:1"), "pd1:1": PD("pd1:1"), "pd2:1": PD("pd2:1", refuse=True)}
+    log: list[tuple[str, int]] = []
+    router = Router(
+        Backends(encoder=lambda a: Encoder(a, log), lease=Leases().stub, prefill_decode=members.__getitem__),
+        EncoderPool(["e"]),
+        stages=Stages(pd=MemberPool(list(members), stage="pd")),
+    )
+
+    async def go() -> list[list[int]]:
+        async def one() -> list[int]:
+            return [t async for r in router.generate(_request(1)) for t in r.chunk.token_ids]
+
+        return list(await asyncio.gather(*(one() for _ in range(9))))
+
+    assert asyncio.run(go()) == [[5, 6]] * 9
+    assert calls["pd0:1"] >= 4 and calls["pd1:1"] >= 4 and calls["pd0:1"] + calls["pd1:1"] == 9
+    assert 1 <= calls["pd2:1"] <= 3
