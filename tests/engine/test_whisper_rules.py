@@ -5,6 +5,7 @@ processors; `WindowSegmenter` = `WhisperGenerationMixin._retrieve_segment`."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,6 +18,16 @@ from libs.speech.longform import WindowSegmenter
 
 BEGIN = 50363  # <|0.00|> in tiny.en
 VOCAB = 51864
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread (the reference processors' `isin` over the vocabulary spends most of its
+    time waiting on a second thread on a shared machine). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
