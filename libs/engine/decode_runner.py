@@ -1,15 +1,24 @@
 """DecodeRunner: continues sequences from imported KV caches, all active sequences in one batched
-forward per step (left-padded cache + attention mask), not one request at a time."""
+forward per step (left-padded cache + attention mask), not one request at a time. Encoder-decoder
+models' cross-attention KV (one fixed length per model) is stacked beside it, never padded."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from libs.engine.errors import CapacityError, InvalidRequestError
-from libs.engine.kv import cache_layers, check_kv, export_kv, layer_tensors
+from libs.engine.kv import (
+    Cache,
+    build_cache,
+    cache_layers,
+    check_kv,
+    cross_layers,
+    cross_tensors,
+    export_kv,
+    layer_tensors,
+)
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.sequence import Sequence
 from libs.engine.types import DecodeState, KvCache, SamplingParams, TokenChunk
@@ -31,7 +40,7 @@ class DecodeRunner:
         self.max_batch = max_batch
         self.default_max_tokens = default_max_tokens
         self._active: list[_Active] = []
-        self._cache: DynamicCache | None = None
+        self._cache: Cache | None = None
         self._mask: torch.Tensor | None = None  # [B, cache_len], 0 on left padding
 
     @property
@@ -54,6 +63,7 @@ class DecodeRunner:
             generated_tokens=state.generated_tokens,
             generated_text=state.generated_text,
             last_token_id=state.next_input_token_id,
+            prompt_tokens=state.prompt_tokens,
         )
         self._unbatch()
         self._active.append(
@@ -87,7 +97,11 @@ class DecodeRunner:
                 keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
                 values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
             layers.append((torch.stack(keys), torch.stack(values)))
-        self._cache = DynamicCache(ddp_cache_data=layers)
+        cross = []
+        for layer in range(self.runtime.num_layers if self.runtime.cross_tokens else 0):
+            pairs = [cross_tensors(a.kv, self.runtime.num_layers)[layer] for a in self._active if a.kv is not None]
+            cross.append((torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])))
+        self._cache = build_cache(layers, cross)
         self._mask = torch.stack([torch.arange(longest) >= longest - a.length for a in self._active]).long()
         for active in self._active:
             active.kv = None
@@ -137,7 +151,7 @@ class DecodeRunner:
         width = self._cache.get_seq_length()
         trim = width - max(a.length for a in self._active)
         layers = [(k[index, :, trim:, :], v[index, :, trim:, :]) for k, v in cache_layers(self._cache)]
-        self._cache = DynamicCache(ddp_cache_data=layers)
+        self._cache = build_cache(layers, [(k[index], v[index]) for k, v in cross_layers(self._cache)])
         self._mask = self._mask[index, trim:]
 
     def run(self, *, return_logits: bool = False) -> dict[str, list[tuple[TokenChunk, torch.Tensor | None]]]:

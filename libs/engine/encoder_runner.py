@@ -42,7 +42,10 @@ def media_hash(media: MediaInput) -> str:
     """Hex SHA-256 of the modality, the processor options and the bytes (the encoder-cache key)."""
     digest = hashlib.sha256()
     digest.update(media.modality.value.encode())
-    digest.update(json.dumps(asdict(media.options), sort_keys=True).encode())
+    options: dict[str, object] = asdict(media.options)
+    if media.audio_window_start_frame:  # a later window of a long clip (Whisper): its own item
+        options["audio_window_start_frame"] = media.audio_window_start_frame
+    digest.update(json.dumps(options, sort_keys=True).encode())
     digest.update(media.data)
     return digest.hexdigest()
 
@@ -102,7 +105,7 @@ class EncoderRunner:
                 outputs = self.adapter.encode(self.module, modality, batch)
                 for i, tensors in zip(indices, outputs, strict=True):
                     rows = tensors["embeddings"].shape[0]
-                    if rows != prepared[i].layout.placeholder_token_count:
+                    if rows != prepared[i].layout.rows:
                         raise EmbeddingMismatchError(f"item {i}: {rows} rows, layout says otherwise")
                     results[i] = EncodedItem(prepared[i].layout, {k: v.clone() for k, v in tensors.items()})
         if timings is not None:

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from libs.engine.checkpoint import Checkpoint, load_into
+from libs.engine.errors import InvalidRequestError
 from libs.engine.families import adapter_for
 from libs.engine.types import EmbeddingSpec, ExtraTensorSpec, KvCacheLayout, dtype_name
 
@@ -39,6 +40,7 @@ class LanguageModelRuntime:
         self.num_layers = int(text.num_hidden_layers)
         self.num_kv_heads = int(text.num_key_value_heads)
         self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        self.cross_tokens = self.adapter.cross_attention_tokens  # 0 for decoder-only models
 
     def _eos_ids(self) -> frozenset[int]:
         gen = self.checkpoint.json_file("generation_config.json")
@@ -62,8 +64,24 @@ class LanguageModelRuntime:
             for modality in sorted(self.adapter.modalities, key=lambda m: m.value)
         ]
 
-    def kv_layout(self, num_tokens: int) -> KvCacheLayout:
-        return KvCacheLayout(self.num_layers, self.num_kv_heads, self.head_dim, num_tokens, dtype_name(self.dtype))
+    def kv_layout(self, num_tokens: int, cross_tokens: int = 0) -> KvCacheLayout:
+        return KvCacheLayout(
+            self.num_layers, self.num_kv_heads, self.head_dim, num_tokens, dtype_name(self.dtype), cross_tokens
+        )
+
+    def max_new_tokens(self, prompt_tokens: int, requested: int, default: int) -> int:
+        """Tokens a sequence may generate: `requested` (0: `default`), within the model's positions
+        (Whisper: prompt + generated <= max_target_positions, as generate()'s max_length)."""
+        limit = self.adapter.max_positions
+        if limit is None:
+            return requested or default
+        room = limit - prompt_tokens
+        if requested > room:
+            raise InvalidRequestError(
+                f"max_tokens {requested} exceeds the {room} positions left after a {prompt_tokens}-token prompt",
+                field="sampling.max_tokens",
+            )
+        return requested or room
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.module.embed(input_ids)  # type: ignore[operator]

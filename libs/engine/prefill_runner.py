@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from libs.engine.encoder_decoder import EncoderDecoderPrefill
 from libs.engine.errors import EmbeddingMismatchError
 from libs.engine.kv import export_kv
 from libs.engine.lm_runtime import LanguageModelRuntime
@@ -75,9 +76,11 @@ class PrefillRunner:
             pass
         return task.finish(return_logits=return_logits)
 
-    def start(self, messages: list[ChatMessage], sampling: SamplingParams) -> PrefillTask:
+    def start(self, messages: list[ChatMessage], sampling: SamplingParams) -> PrefillTask | EncoderDecoderPrefill:
         """A prefill to run in chunks (`PrefillTask.step`), so that other work (short prefills, decode
         steps) can run between them; `prefill` is start + every step + finish."""
+        if self.runtime.adapter.is_encoder_decoder:  # Whisper: the decoder's task prompt, one step
+            return EncoderDecoderPrefill(self.runtime, messages, sampling, default_max_tokens=self.default_max_tokens)
         return PrefillTask(self, messages, sampling)
 
 

@@ -61,6 +61,11 @@ class AudioLayout:
     feature_length: int  # mel frames fed to the audio tower
     output_length: int  # embedding rows produced
     duration_s: float
+    # Encoder-decoder speech models (Whisper) encode one fixed window of the clip's features at a
+    # time; all 0 for towers that take the whole clip (Qwen2.5-Omni).
+    window_start_frame: int = 0  # first mel frame of this window in the clip (generate()'s `seek`)
+    window_frames: int = 0  # mel frames of the clip inside the window (the rest is padding)
+    clip_frames: int = 0  # mel frames of the whole clip as generate() counts them
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,14 @@ class ItemLayout:
     image: ImageLayout | None = None
     video: VideoLayout | None = None
     audio: AudioLayout | None = None
+    # Encoder-decoder models: the rows are encoder states the decoder cross-attends to, not prompt
+    # embeddings; `placeholder_token_count` is then 0 (the item takes no prompt positions).
+    cross_attention_rows: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Rows of the item's "embeddings" tensor."""
+        return self.cross_attention_rows or self.placeholder_token_count
 
     def check(self) -> None:
         """Raise if the detail arm does not match the modality or the count is not positive."""
@@ -82,7 +95,11 @@ class ItemLayout:
             raise EmbeddingMismatchError(
                 f"layout detail does not match modality {self.modality.value}", field="layout.detail"
             )
-        if self.placeholder_token_count <= 0:
+        if self.cross_attention_rows < 0 or (self.cross_attention_rows and self.placeholder_token_count):
+            raise EmbeddingMismatchError(
+                "cross-attention items take no placeholder tokens", field="layout.placeholder_token_count"
+            )
+        if self.rows <= 0:
             raise EmbeddingMismatchError("placeholder_token_count must be > 0", field="layout.placeholder_token_count")
 
 
@@ -119,6 +136,10 @@ class MediaInput:
     data: bytes
     item_index: int = 0
     options: ProcessorOptions = field(default_factory=ProcessorOptions)
+    # Encoder-decoder speech models (Whisper), long-form: encode the 30 s window of the clip that
+    # starts at this mel frame (generate()'s `seek`). Engine-only until the contract carries it (a
+    # wire ProcessorOptions field); 0, the first window, leaves the content hash as it was.
+    audio_window_start_frame: int = 0
 
 
 @dataclass
@@ -164,6 +185,8 @@ class SamplingParams:
     max_tokens: int = 0  # 0 takes the runner's default
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # Speech models with timestamp tokens (Whisper): predict them (generate(return_timestamps=True)).
+    timestamps: bool = False
 
 
 class FinishReason(enum.Enum):
@@ -181,18 +204,22 @@ class TokenChunk:
 
 @dataclass(frozen=True)
 class KvCacheLayout:
-    """Shape of an exported cache: 2 * num_layers tensors, each [num_kv_heads, num_tokens, head_dim]."""
+    """Shape of an exported cache: 2 * num_layers tensors, each [num_kv_heads, num_tokens, head_dim],
+    plus for encoder-decoder models 2 * num_layers cross-attention tensors, each
+    [num_kv_heads, cross_tokens, head_dim]."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     num_tokens: int
     dtype: str
+    cross_tokens: int = 0  # encoder states the cross-attention KV was built from; 0: none
 
 
 @dataclass
 class KvCache:
-    """Per-layer KV as plain contiguous tensors named "layers.<i>.key" / "layers.<i>.value"."""
+    """Per-layer KV as plain contiguous tensors named "layers.<i>.key" / "layers.<i>.value" (and
+    "layers.<i>.cross_key" / "layers.<i>.cross_value" for encoder-decoder models)."""
 
     layout: KvCacheLayout
     tensors: dict[str, torch.Tensor]

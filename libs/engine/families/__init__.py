@@ -18,6 +18,10 @@ def adapter_for(checkpoint: Checkpoint) -> FamilyAdapter:
         from libs.engine.families.qwen2_5_vl import Qwen25VLAdapter
 
         return Qwen25VLAdapter(checkpoint)
+    if model_type == "whisper":
+        from libs.engine.families.whisper import WhisperAdapter
+
+        return WhisperAdapter(checkpoint)
     if model_type == "qwen3_vl":
         from libs.engine.families.qwen3_vl import Qwen3VLAdapter
 

@@ -16,8 +16,9 @@ import torch
 from transformers import DynamicCache
 
 from libs.engine.checkpoint import Checkpoint
+from libs.engine.errors import InvalidRequestError
 from libs.engine.media.limits import MediaLimits
-from libs.engine.types import EmbeddingSpec, ItemLayout, MediaInput, Modality
+from libs.engine.types import EmbeddingSpec, ItemLayout, MediaInput, Modality, SamplingParams
 
 
 @dataclass
@@ -64,6 +65,9 @@ class PromptExtras:
 class FamilyAdapter(abc.ABC):
     family: str
     modalities: frozenset[Modality]
+    # Encoder-decoder models (Whisper): encoder outputs feed the decoder's cross-attention, the
+    # prompt is the decoder's task prompt (`decoder_prompt`), the KV carries cross-attention too.
+    is_encoder_decoder = False
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.checkpoint = checkpoint
@@ -140,7 +144,7 @@ class FamilyAdapter(abc.ABC):
         lm: torch.nn.Module,
         inputs_embeds: torch.Tensor,
         position_ids: torch.Tensor,
-        cache: DynamicCache,
+        cache: Any,  # a DynamicCache; an EncoderDecoderCache for encoder-decoder models
         attention_mask: torch.Tensor | None,
         extras: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
@@ -154,3 +158,29 @@ class FamilyAdapter(abc.ABC):
 
     def check_spec(self, spec: EmbeddingSpec) -> None:  # noqa: B027 - optional hook
         """Hook for family-specific spec checks (default: none)."""
+
+    # ---- encoder-decoder models ------------------------------------------------------------
+    @property
+    def cross_attention_tokens(self) -> int:
+        """Encoder states per item the decoder cross-attends to (0: decoder-only)."""
+        return 0
+
+    @property
+    def max_positions(self) -> int | None:
+        """Longest decoder sequence (prompt + generated), when the model has one."""
+        return None
+
+    def decoder_prompt(self, sampling: SamplingParams) -> list[int]:
+        """The decoder's task prompt (encoder-decoder models)."""
+        raise InvalidRequestError(f"{self.family} is not an encoder-decoder model", field="messages")
+
+    def new_cache(self) -> Any:
+        """An empty KV cache for one prefill."""
+        return DynamicCache()
+
+    def process_logits(self, logits: torch.Tensor, sampled: list[int], sampling: SamplingParams) -> torch.Tensor:
+        """The family's logits processors for one sequence's [vocab] row (`sampled`: tokens generated
+        so far); default: none. Raises for sampling options the family does not know."""
+        if sampling.timestamps:
+            raise InvalidRequestError(f"{self.family} has no timestamp tokens", field="sampling.timestamps")
+        return logits

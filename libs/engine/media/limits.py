@@ -19,6 +19,8 @@ class MediaLimits:
     # Frames decoded to reach the sampled ones are work too: 600 s at 120 fps.
     max_video_source_frames: int = 72_000
     max_audio_seconds: float = 30.0  # the Whisper-style feature extractor covers 30 s
+    # Encoder-decoder speech models (Whisper) transcribe longer clips, one 30 s window at a time.
+    max_speech_seconds: float = 600.0
     # Decoded audio is channels x rate x seconds floats: bound the first two from the header too
     # (a small FLAC of silence can declare hundreds of channels).
     max_audio_channels: int = 16

@@ -1,0 +1,1 @@
+"""Speech transcription logic that needs no torch (the router runs it): long-form windows."""
