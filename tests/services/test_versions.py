@@ -232,7 +232,7 @@ def test_rolling_upgrade_under_load(
                     request = request_for(MIXES[name])
                     begun = time.monotonic()
                     try:
-                        outcomes.append((name, await generate(channel, request, timeout_s=120, retry_unavailable=True)))
+                        outcomes.append((name, await generate(channel, request, timeout_s=300, retry_unavailable=True)))
                         spans.append((begun, time.monotonic()))
                     except grpc.aio.AioRpcError as exc:
                         outcomes.append((name, f"{exc.code().name}: {exc.details()}"))
