@@ -52,8 +52,8 @@ class StackSpec:
     # Each service on a port chosen at launch (not 0), so a restarted process is found where its
     # peers look: what a supervisor (libs/launch/supervisor.py) needs.
     fixed_ports: bool = False
-    # Engine of the language-model services (pd; prefill and decode once they run vLLM):
-    # "reference" (the project's runtime) or "vllm" (30-50 s and ~1.5 GB more per service).
+    # Engine of the language-model services (pd, or prefill and decode): "reference" (the
+    # project's runtime) or "vllm" (30-50 s and ~1.5 GB more per service).
     engine: str = "reference"
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service (EPD_*)
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service name
@@ -70,8 +70,8 @@ class Stack:
             raise ValueError("a disaggregated layout needs at least one encoder")
         if spec.engine not in ("reference", "vllm"):
             raise ValueError(f"unknown engine {spec.engine!r}; expected reference or vllm")
-        if spec.engine == "vllm" and spec.layout != "e+pd":
-            raise ValueError("the vLLM engine serves the E+PD layout's PD service (E/P/D on vLLM: not yet)")
+        if spec.engine == "vllm" and spec.layout == "colocated":
+            raise ValueError("the vLLM engine serves PD (E+PD) or prefill and decode (E/P/D), not the colocated layout")
         self.spec = spec
         self.processes: dict[str, ServiceProcess] = {}
         self.address = ""
@@ -156,8 +156,8 @@ class Stack:
             encoders = [self._process(f"encoder-{i}", "services.encoder", encoder_args) for i in range(spec.encoders)]
             backends = (
                 [
-                    self._process("prefill", "services.prefill", self._model_args()),
-                    self._process("decode", "services.decode", self._model_args()),
+                    self._process("prefill", "services.prefill", [*self._model_args(), *self._engine_args()]),
+                    self._process("decode", "services.decode", [*self._model_args(), *self._engine_args()]),
                 ]
                 if spec.layout == "e/p/d"
                 else [self._process("pd", "services.pd", [*self._model_args(), *self._engine_args()])]

@@ -152,7 +152,7 @@ class RequestPlanner:
             for message in engine_messages
         ]
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self._without_outer_video_markers(self.tokenizer.encode(text, add_special_tokens=False))
         specs = {spec.modality: spec for spec in self.expected_specs()}
         descriptors: dict[str, ItemDescriptor] = {}
         uuids: dict[str, list[str]] = {}
@@ -185,6 +185,57 @@ class RequestPlanner:
             prompt["multi_modal_data"] = {kind: _tensors(fields) for kind, fields in data.items()}
             prompt["multi_modal_uuids"] = uuids
         return PlannedRequest(prompt, descriptors, len(expanded.input_ids))
+
+    def plan_decode(self, token_ids: Sequence[int], layouts: Sequence[eng.ItemLayout], field: str) -> dict[str, Any]:
+        """The prompt a decode engine rebuilds the sequence from, as prefill's engine took it: token
+        ids with one placeholder per item and the items' layout metadata, no embeddings (its KV
+        arrives from prefill). Checked first: an inconsistent item would kill the engine."""
+        to_id = self.tokenizer.convert_tokens_to_ids
+        placeholders = {to_id(self.adapter.placeholder_token(m)): m for m in self.adapter.modalities}
+        in_prompt = [placeholders[t].value for t in token_ids if t in placeholders]
+        items = [layout.modality.value for layout in layouts]
+        if in_prompt != items:
+            raise InvalidArgument(f"{field}.token_ids", f"placeholders {in_prompt} do not match the items {items}")
+        data: dict[str, dict[str, list[Any]]] = {}
+        uuids: dict[str, list[str]] = {}
+        for index, layout in enumerate(layouts):
+            if layout.modality not in self.adapter.modalities:
+                raise InvalidArgument(f"{field}.items[{index}].modality", f"no {layout.modality.value} input")
+            _check_count(layout, self.merge, f"{field}.items[{index}]")
+            _add_metadata(data.setdefault(layout.modality.value, {}), layout, self.family)
+            # Content hashes: equal items may share decode's prefix cache, as their KV is equal.
+            uuids.setdefault(layout.modality.value, []).append(layout.mm_hash)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
+        if layouts:
+            prompt["multi_modal_data"] = {kind: _tensors(fields) for kind, fields in data.items()}
+            prompt["multi_modal_uuids"] = uuids
+        return prompt
+
+    def kv_dims(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head size) of the language model: the KV layout a handoff describes."""
+        text = self.adapter.text_config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return int(text.num_hidden_layers), int(text.num_key_value_heads), int(head_dim)
+
+    def _without_outer_video_markers(self, ids: list[int]) -> list[int]:
+        """Qwen3-VL: the project's video prompt has no `<|vision_start|>`...`<|vision_end|>` around the
+        per-frame sequence (docs/engine.md, "Preprocessing decisions"); vLLM expands the bare video
+        placeholder into that sequence, so the template's outer pair goes before it sees the ids."""
+        if self.family != "qwen3_vl":
+            return ids
+        video = self.tokenizer.convert_tokens_to_ids(self.adapter.placeholder_token(eng.Modality.VIDEO))
+        start = self.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+        end = self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
+        out: list[int] = []
+        i = 0
+        while i < len(ids):
+            if ids[i : i + 3] == [start, video, end]:
+                out.append(video)
+                i += 3
+                continue
+            out.append(ids[i])
+            i += 1
+        return out
 
 
 def _check_count(layout: eng.ItemLayout, merge: int, field: str) -> None:
@@ -242,6 +293,8 @@ def _add_metadata(fields: dict[str, list[Any]], layout: eng.ItemLayout, family: 
         fields.setdefault("video_grid_thw", []).append([v.grid_t, v.grid_h, v.grid_w])
         if family == "qwen3_vl":
             fields.setdefault("timestamps", []).append(list(v.grid_timestamps_s))
+        elif family == "qwen2_5_vl":  # M-RoPE's temporal step (vLLM: runtime.accept_second_per_grid_ts)
+            fields.setdefault("second_per_grid_ts", []).append(v.seconds_per_grid)
     elif layout.audio is not None:
         fields.setdefault("audio_feature_lengths", []).append(layout.audio.feature_length)
 
