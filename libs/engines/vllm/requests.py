@@ -152,7 +152,7 @@ class RequestPlanner:
             for message in engine_messages
         ]
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        ids = self._without_outer_video_markers(self.tokenizer.encode(text, add_special_tokens=False))
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         specs = {spec.modality: spec for spec in self.expected_specs()}
         descriptors: dict[str, ItemDescriptor] = {}
         uuids: dict[str, list[str]] = {}
@@ -217,26 +217,6 @@ class RequestPlanner:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         return int(text.num_hidden_layers), int(text.num_key_value_heads), int(head_dim)
 
-    def _without_outer_video_markers(self, ids: list[int]) -> list[int]:
-        """Qwen3-VL: the project's video prompt has no `<|vision_start|>`...`<|vision_end|>` around the
-        per-frame sequence (docs/engine.md, "Preprocessing decisions"); vLLM expands the bare video
-        placeholder into that sequence, so the template's outer pair goes before it sees the ids."""
-        if self.family != "qwen3_vl":
-            return ids
-        video = self.tokenizer.convert_tokens_to_ids(self.adapter.placeholder_token(eng.Modality.VIDEO))
-        start = self.tokenizer.convert_tokens_to_ids("<|vision_start|>")
-        end = self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
-        out: list[int] = []
-        i = 0
-        while i < len(ids):
-            if ids[i : i + 3] == [start, video, end]:
-                out.append(video)
-                i += 3
-                continue
-            out.append(ids[i])
-            i += 1
-        return out
-
 
 def _check_count(layout: eng.ItemLayout, merge: int, field: str) -> None:
     """vLLM sizes an item's placeholder range from its metadata and places the embedding rows there:
@@ -293,8 +273,6 @@ def _add_metadata(fields: dict[str, list[Any]], layout: eng.ItemLayout, family: 
         fields.setdefault("video_grid_thw", []).append([v.grid_t, v.grid_h, v.grid_w])
         if family == "qwen3_vl":
             fields.setdefault("timestamps", []).append(list(v.grid_timestamps_s))
-        elif family == "qwen2_5_vl":  # M-RoPE's temporal step (vLLM: runtime.accept_second_per_grid_ts)
-            fields.setdefault("second_per_grid_ts", []).append(v.seconds_per_grid)
     elif layout.audio is not None:
         fields.setdefault("audio_feature_lengths", []).append(layout.audio.feature_length)
 

@@ -45,33 +45,6 @@ def loopback_environment() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, path) if p)
 
 
-def accept_second_per_grid_ts() -> None:
-    """Qwen2.5-VL video: vLLM's metadata-only (embedding) input has no `second_per_grid_ts` field
-    and drops it, so its M-RoPE takes 1.0 s per grid; the project's rule takes the layout's
-    `seconds_per_grid` (docs/engine.md, "Preprocessing decisions"). vLLM parses requests in the
-    process that runs AsyncLLM (this service), where the field configuration gets the field vLLM's
-    own pixel path has (`Qwen2_5_VLMultiModalProcessor._get_mm_fields_config`). Idempotent."""
-    from vllm.model_executor.models import qwen2_vl
-    from vllm.multimodal.inputs import MultiModalFieldConfig
-
-    factory = qwen2_vl._create_qwen2vl_field_factory
-    if getattr(factory, "epd_second_per_grid_ts", False):
-        return
-
-    def with_seconds(spatial_merge_size: int) -> Any:
-        inner = factory(spatial_merge_size)
-
-        def config(hf_inputs: Any) -> Any:
-            fields = dict(inner(hf_inputs))
-            fields["second_per_grid_ts"] = MultiModalFieldConfig.batched("video", keep_on_cpu=True)
-            return fields
-
-        return config
-
-    with_seconds.epd_second_per_grid_ts = True  # type: ignore[attr-defined]
-    qwen2_vl._create_qwen2vl_field_factory = with_seconds
-
-
 def cpu_environment(threads: int) -> None:
     """vLLM binds its worker's OpenMP threads to cores itself: with a KV connector on a 2-core host
     it takes every core (it reserves one more for transfers, finds none left, and binds to all),
@@ -97,7 +70,6 @@ def build_engine(
     """A started `AsyncLLM` (blocking: spawns EngineCore and Worker, loads weights)."""
     loopback_environment()
     cpu_environment(settings.torch_threads)
-    accept_second_per_grid_ts()
     from vllm.config import ECTransferConfig, KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
