@@ -57,7 +57,8 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
         "--engine",
         choices=("reference", "vllm"),
         default=None,
-        help="engine of the PD service: the reference runtime, or vLLM (E+PD layout; ~1 min and ~1.5 GB more)",
+        help="engine of the PD service (e+pd) or of prefill and decode (e/p/d): the reference runtime, or vLLM "
+        "(~1 min and ~1.5 GB more per service)",
     )
     parser.add_argument("--model", type=Path, default=None, help=f"checkpoint directory (default {DEFAULT_MODEL})")
     parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="service logs go here")
@@ -115,8 +116,8 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
         return _described_spec(ns, env)
     layout = ns.layout or "e/p/d"
     engine = ns.engine or "reference"
-    if engine == "vllm" and layout != "e+pd":
-        raise SystemExit("epd: --engine vllm serves the E+PD layout so far; add --layout e+pd")
+    if engine == "vllm" and layout == "colocated":
+        raise SystemExit("epd: --engine vllm serves the e+pd or e/p/d layout, not colocated")
     return StackSpec(
         layout=layout,
         encoders=2 if ns.encoders is None else ns.encoders,

@@ -68,6 +68,10 @@ class Limits:
     max_regions_per_tensor: int = 64
     max_placeholder_tokens: int = 1 << 20
     max_lease_ids: int = 1024
+    max_id_chars: int = 256  # ids and hosts inside a paged KV handoff
+    max_kv_block_groups: int = 64
+    max_kv_blocks: int = 1 << 20  # per group
+    max_prompt_tokens: int = 1 << 20  # of an engine prompt (before placeholder expansion)
 
 
 DEFAULT_LIMITS = Limits()
@@ -380,8 +384,13 @@ def validate_kv_cache(kv: prefill_pb2.KvCache, path: str, limits: Limits) -> Non
         if getattr(layout, name) <= 0:
             raise _fail(f"{path}.layout.{name}", f"must be > 0, got {getattr(layout, name)}")
     _require_enum(layout.dtype, f"{path}.layout.dtype", "D_TYPE", tensor_pb2.DType.values())
+    if kv.HasField("paged"):  # contract 1.3: the KV stays in the prefill engine's blocks
+        if kv.HasField("handle"):
+            raise _fail(f"{path}.handle", "must not be set with paged (exactly one of handle and paged)")
+        validate_paged_kv_blocks(kv.paged, f"{path}.paged", limits)
+        return
     if not kv.HasField("handle"):
-        raise _fail(f"{path}.handle", "is required")
+        raise _fail(f"{path}.handle", "is required (or paged)")
     validate_tensor_handle(kv.handle, f"{path}.handle", limits)
     if len(kv.handle.tensors) != 2 * layout.num_layers:
         raise _fail(
@@ -400,6 +409,40 @@ def validate_kv_cache(kv: prefill_pb2.KvCache, path: str, limits: Limits) -> Non
             raise _fail(f"{tpath}.spec.dtype", "differs from layout.dtype")
 
 
+def validate_paged_kv_blocks(paged: prefill_pb2.PagedKvBlocks, path: str, limits: Limits) -> None:
+    """Check a paged KV handoff (contract 1.3): who holds the blocks, how to reach its engine, and
+    bounded block lists."""
+    for name in ("producer_address", "lease_id", "engine_id", "engine_request_id", "side_channel_host"):
+        value = getattr(paged, name)
+        if not value:
+            raise _fail(f"{path}.{name}", "is required")
+        if len(value) > limits.max_id_chars:
+            raise _fail(f"{path}.{name}", f"is longer than {limits.max_id_chars} characters")
+    if not paged.HasField("lease_expire_time"):
+        raise _fail(f"{path}.lease_expire_time", "is required")
+    if not 0 < paged.side_channel_port <= 65535:
+        raise _fail(f"{path}.side_channel_port", f"must be in [1, 65535], got {paged.side_channel_port}")
+    _check_count(paged.groups, f"{path}.groups", 1, limits.max_kv_block_groups)
+    for i, group in enumerate(paged.groups):
+        _check_count(group.block_ids, f"{path}.groups[{i}].block_ids", 1, limits.max_kv_blocks)
+        if min(group.block_ids) < 0:
+            raise _fail(f"{path}.groups[{i}].block_ids", "must be >= 0")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size"):
+        if getattr(paged, name) < 1:
+            raise _fail(f"{path}.{name}", f"must be >= 1, got {getattr(paged, name)}")
+    _require_enum(paged.transfer_mode, f"{path}.transfer_mode", "KV_TRANSFER_MODE", prefill_pb2.KvTransferMode.values())
+
+
+def validate_engine_prompt(prompt: prefill_pb2.EnginePrompt, path: str, limits: Limits) -> None:
+    """Check the prompt a decode engine rebuilds the sequence from (contract 1.3)."""
+    _check_count(prompt.token_ids, f"{path}.token_ids", 1, limits.max_prompt_tokens)
+    if min(prompt.token_ids) < 0:
+        raise _fail(f"{path}.token_ids", "must be >= 0")
+    _check_count(prompt.items, f"{path}.items", 0, limits.max_media_items)
+    for i, item in enumerate(prompt.items):
+        validate_item_layout(item, f"{path}.items[{i}]", limits)
+
+
 def validate_decode_state(state: prefill_pb2.DecodeState, path: str, limits: Limits) -> None:
     """Check decode's per-sequence state."""
     if state.next_input_token_id < 0:
@@ -408,6 +451,8 @@ def validate_decode_state(state: prefill_pb2.DecodeState, path: str, limits: Lim
         raise _fail(f"{path}.generated_tokens", f"must be >= 1 (prefill emits one), got {state.generated_tokens}")
     if state.prompt_tokens < 1:
         raise _fail(f"{path}.prompt_tokens", f"must be >= 1, got {state.prompt_tokens}")
+    if state.HasField("engine_prompt"):
+        validate_engine_prompt(state.engine_prompt, f"{path}.engine_prompt", limits)
 
 
 # --- requests --------------------------------------------------------------------------------
@@ -468,6 +513,8 @@ def validate_decode_request(req: decode_pb2.DecodeRequest, limits: Limits = DEFA
     if not req.HasField("decode_state"):
         raise _fail("decode_state", "is required")
     validate_decode_state(req.decode_state, "decode_state", limits)
+    if req.kv_cache.HasField("paged") and not req.decode_state.HasField("engine_prompt"):
+        raise _fail("decode_state.engine_prompt", "is required with kv_cache.paged")
     if req.decode_state.prompt_tokens + req.decode_state.generated_tokens - 1 != req.kv_cache.layout.num_tokens:
         raise _fail(
             "kv_cache.layout.num_tokens",

@@ -9,6 +9,9 @@ from libs.contract.epd.v1 import service_info_pb2
 
 ENGINES = ("reference", "vllm")
 CAPABILITY_PREFIX = "engine."
+# Contract 1.3: prefill fills `KvCache.paged` (the KV stays in its engine's blocks) and decode reads
+# it; advertised by both vLLM services.
+PAGED_KV = "kv.paged_blocks"
 
 
 def capability(engine: str) -> str:

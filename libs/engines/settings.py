@@ -1,4 +1,4 @@
-"""Settings of a service that runs a language-model engine (PD; later P and D)."""
+"""Settings of a service that runs a language-model engine (PD, prefill, decode)."""
 
 from __future__ import annotations
 

@@ -162,8 +162,8 @@ def _semantic_problems(doc: Mapping[str, Any]) -> list[str]:
     problems += [
         f"roles.{r}: layout {layout} has no such role (it runs {', '.join(wanted)})" for r in roles if r not in wanted
     ]
-    if doc.get("engine") == "vllm" and layout != "e+pd":
-        problems.append(f"engine: vllm serves the E+PD layout's PD service; layout is {layout}")
+    if doc.get("engine") == "vllm" and layout == "colocated":
+        problems.append("engine: vllm serves the PD service (e+pd) or prefill and decode (e/p/d); layout is colocated")
     for name, role in roles.items():
         scale = role.get("autoscale")
         if scale is None:
@@ -254,7 +254,7 @@ def role_settings(desc: StackDescription, role: str) -> dict[str, Value]:
         }
     if role == "encoder":
         values["cache_mib"] = desc["cache"]["local_mib"]
-    if role == "pd":
+    if role in ("pd", "prefill", "decode"):
         values["engine"] = desc["engine"]
     if role == "router":
         values["layout"] = desc.layout

@@ -58,8 +58,8 @@ class StackSpec:
     # Each service on a port chosen at launch (not 0), so a restarted process is found where its
     # peers look: what a supervisor (libs/launch/supervisor.py) needs.
     fixed_ports: bool = False
-    # Engine of the language-model services (pd; prefill and decode once they run vLLM):
-    # "reference" (the project's runtime) or "vllm" (30-50 s and ~1.5 GB more per service).
+    # Engine of the language-model services (pd, or prefill and decode): "reference" (the
+    # project's runtime) or "vllm" (30-50 s and ~1.5 GB more per service).
     engine: str = "reference"
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service (EPD_*)
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service name
@@ -85,8 +85,8 @@ class Stack:
             raise ValueError("prefills, decodes and pds must be at least 1")
         if spec.engine not in ("reference", "vllm"):
             raise ValueError(f"unknown engine {spec.engine!r}; expected reference or vllm")
-        if spec.engine == "vllm" and spec.layout != "e+pd":
-            raise ValueError("the vLLM engine serves the E+PD layout's PD service (E/P/D on vLLM: not yet)")
+        if spec.engine == "vllm" and spec.layout == "colocated":
+            raise ValueError("the vLLM engine serves PD (E+PD) or prefill and decode (E/P/D), not the colocated layout")
         self.spec = spec
         self.processes: dict[str, ServiceProcess] = {}
         self.address = ""
@@ -169,18 +169,15 @@ class Stack:
                 self.store = start_store(spec.run_dir / "store", segment_size=spec.cache_store_mib << 20)
                 encoder_args += ["--cache-master", self.store.master_address]
             encoders = [self._process(f"encoder-{i}", "services.encoder", encoder_args) for i in range(spec.encoders)]
-            model_args = self._model_args()
+            lm_args = [*self._model_args(), *self._engine_args()]  # the language-model services
             if spec.layout == "e/p/d":
                 prefills = [
-                    self._process(n, "services.prefill", model_args) for n in replica_names("prefill", spec.prefills)
+                    self._process(n, "services.prefill", lm_args) for n in replica_names("prefill", spec.prefills)
                 ]
-                decodes = [
-                    self._process(n, "services.decode", model_args) for n in replica_names("decode", spec.decodes)
-                ]
+                decodes = [self._process(n, "services.decode", lm_args) for n in replica_names("decode", spec.decodes)]
                 backends = [*prefills, *decodes]
             else:
-                pd_args = [*model_args, *self._engine_args()]
-                backends = [self._process(n, "services.pd", pd_args) for n in replica_names("pd", spec.pds)]
+                backends = [self._process(n, "services.pd", lm_args) for n in replica_names("pd", spec.pds)]
             for process in [*encoders, *backends]:
                 process.start()
             remaining = spec.ready_timeout_s

@@ -11,7 +11,7 @@ from libs.rpc.admission import Admission
 from libs.rpc.drain import drainer
 from libs.rpc.main import HealthSetter, Register, ServiceParts
 from libs.serving.engine_loop import EngineThread
-from libs.serving.servicers import lease_servicer, stats_servicer
+from libs.serving.servicers import EngineLeases, engine_lease_servicer, lease_servicer, stats_servicer
 from libs.serving.transport import Transport
 
 
@@ -28,14 +28,22 @@ def model_service_parts(
     on_close_async: Callable[[], Awaitable[None]] | None = None,
     on_listening: Callable[[str], object] | None = None,
     health: Callable[[HealthSetter], None] | None = None,
+    leases: EngineLeases | None = None,
 ) -> ServiceParts:
+    """`leases`: tensors the engine itself holds for consumers (vLLM prefill's KV blocks), served
+    by `LeaseService` and counted in the stats and the drain like a transport's."""
     servicers = [servicer]
-    if transport is not None and transport.produces:
-        servicers.append(lease_servicer(transport))
     if transport is not None:
         info.capabilities.extend(c for c in transport.capabilities() if c not in info.capabilities)
+    if transport is not None and transport.produces:
+        servicers.append(lease_servicer(transport))
+    if leases is not None:
+        servicers.append(engine_lease_servicer(leases))
     lanes = (admission, *other_lanes)  # each admits its own kind of work
-    servicers.append(stats_servicer(transport, lambda: sum(a.running + a.waiting for a in lanes), active_sequences))
+    pool = leases.pool_stats if leases is not None else None
+    servicers.append(
+        stats_servicer(transport, lambda: sum(a.running + a.waiting for a in lanes), active_sequences, pool)
+    )
 
     async def close() -> None:
         on_close()
@@ -50,10 +58,18 @@ def model_service_parts(
         servicers=servicers,
         info=lambda: info,
         close=close,
-        drain=drainer(*lanes, held_leases=transport.held_leases if transport is not None else lambda: 0),
+        drain=drainer(*lanes, held_leases=_held(transport, leases)),
         on_started=lambda address: _started(address, transport, on_listening),
         health=health,
     )
+
+
+def _held(transport: Transport | None, leases: EngineLeases | None) -> Callable[[], int]:
+    if transport is not None:
+        return transport.held_leases
+    if leases is not None:
+        return leases.held
+    return lambda: 0
 
 
 def _started(address: str, transport: Transport | None, then: Callable[[str], object] | None) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 from libs.contract.epd.v1 import lease_pb2, lease_pb2_grpc, stats_pb2, stats_pb2_grpc
 from libs.contract.validation import validate_release_leases_request
@@ -26,15 +26,44 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         return lease_pb2.ReleaseLeasesResponse(released_count=released)
 
 
+class EngineLeases(Protocol):
+    """Tensors an engine holds for consumers outside the service's transport (vLLM's paged KV
+    blocks kept for decode), with the same lease rules."""
+
+    def held(self) -> int: ...
+
+    async def release(self, lease_ids: Sequence[str]) -> int: ...
+
+    async def pool_stats(self) -> stats_pb2.TransferPoolStats: ...
+
+
+class EngineLeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
+    """`ReleaseLeases` for leases an engine holds."""
+
+    def __init__(self, leases: EngineLeases) -> None:
+        self._leases = leases
+
+    async def ReleaseLeases(
+        self, request: lease_pb2.ReleaseLeasesRequest, context: Any
+    ) -> lease_pb2.ReleaseLeasesResponse:
+        validate_release_leases_request(request)
+        return lease_pb2.ReleaseLeasesResponse(released_count=await self._leases.release(request.lease_ids))
+
+
 class StatsServicer(stats_pb2_grpc.StatsServiceServicer):
     """`GetStats`: pool occupancy plus the service's own counters."""
 
     def __init__(
-        self, transport: Transport | None, in_flight: Callable[[], int], active_sequences: Callable[[], int] = lambda: 0
+        self,
+        transport: Transport | None,
+        in_flight: Callable[[], int],
+        active_sequences: Callable[[], int] = lambda: 0,
+        pool: Callable[[], Awaitable[stats_pb2.TransferPoolStats]] | None = None,
     ) -> None:
         self._transport = transport
         self._in_flight = in_flight
         self._active_sequences = active_sequences
+        self._pool = pool
 
     async def GetStats(self, request: stats_pb2.GetStatsRequest, context: Any) -> stats_pb2.GetStatsResponse:
         response = stats_pb2.GetStatsResponse(
@@ -42,6 +71,8 @@ class StatsServicer(stats_pb2_grpc.StatsServiceServicer):
         )
         if self._transport is not None:
             response.pool.CopyFrom(self._transport.stats())
+        elif self._pool is not None:
+            response.pool.CopyFrom(await self._pool())
         return response
 
 
@@ -49,11 +80,18 @@ def lease_servicer(transport: Transport) -> tuple[Register, Any, str]:
     return (lease_pb2_grpc.add_LeaseServiceServicer_to_server, LeaseServicer(transport), "epd.v1.LeaseService")
 
 
+def engine_lease_servicer(leases: EngineLeases) -> tuple[Register, Any, str]:
+    return (lease_pb2_grpc.add_LeaseServiceServicer_to_server, EngineLeaseServicer(leases), "epd.v1.LeaseService")
+
+
 def stats_servicer(
-    transport: Transport | None, in_flight: Callable[[], int], active_sequences: Callable[[], int] = lambda: 0
+    transport: Transport | None,
+    in_flight: Callable[[], int],
+    active_sequences: Callable[[], int] = lambda: 0,
+    pool: Callable[[], Awaitable[stats_pb2.TransferPoolStats]] | None = None,
 ) -> tuple[Register, Any, str]:
     return (
         stats_pb2_grpc.add_StatsServiceServicer_to_server,
-        StatsServicer(transport, in_flight, active_sequences),
+        StatsServicer(transport, in_flight, active_sequences, pool),
         "epd.v1.StatsService",
     )

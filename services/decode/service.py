@@ -10,27 +10,29 @@ import torch
 
 from libs.config import setting
 from libs.contract.epd.v1 import decode_pb2, decode_pb2_grpc, service_info_pb2
-from libs.engine.decode_runner import DecodeRunner
-from libs.engine.lm_runtime import LanguageModelRuntime
+from libs.engines.api import engine_capabilities
+from libs.engines.identity import PAGED_KV
+from libs.engines.settings import EngineSettings
+from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
 from libs.serving.engine_loop import DecodeLoop, EngineThread
 from libs.serving.identity import model_identity, service_info
 from libs.serving.parts import model_service_parts
-from libs.serving.settings import ModelServiceSettings
 from libs.serving.transport import Transport, transfer_config
 from services.decode.core import DecodeCore
+from services.decode.engine_core import EngineDecodeCore
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeSettings(ModelServiceSettings):
+class DecodeSettings(EngineSettings):
     """Decode: KV caches from prefill -> streamed tokens, many sequences per batched step."""
 
     pool_mib: int = setting(512, "registered tensor pool for KV reads, in MiB")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, core: DecodeCore, admission: Admission) -> None:
+    def __init__(self, core: DecodeCore | EngineDecodeCore, admission: Admission) -> None:
         self._core = core
         self._admission = admission
 
@@ -40,7 +42,34 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 yield response
 
 
+async def _vllm_setup(settings: DecodeSettings) -> ServiceParts:
+    from libs.engines.vllm.decode import VllmDecode  # imports vLLM (~15 s): only when chosen
+
+    engine = await VllmDecode.start(settings)
+    # Requests beyond vLLM's batch (max_num_seqs = max_batch) wait in admission, not in vLLM.
+    admission = Admission("decode", min(settings.max_running, settings.max_batch), settings.max_waiting)
+    servicer = DecodeServicer(EngineDecodeCore(engine), admission)
+    return model_service_parts(
+        (decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, "epd.v1.DecodeService"),
+        admission=admission,
+        info=service_info(
+            service_info_pb2.SERVICE_ROLE_DECODE,
+            model_identity(settings, engine.weights_digest),
+            capabilities=engine_capabilities("vllm", (ADMISSION_PRIORITY, PAGED_KV)),
+        ),
+        engine=None,
+        active_sequences=lambda: engine.active,
+        on_close_async=engine.close,
+        health=engine.watch_health,
+    )
+
+
 async def setup(settings: DecodeSettings) -> ServiceParts:
+    if settings.engine == "vllm":
+        return await _vllm_setup(settings)
+    from libs.engine.decode_runner import DecodeRunner
+    from libs.engine.lm_runtime import LanguageModelRuntime
+
     torch.set_num_threads(settings.torch_threads)
     runtime = LanguageModelRuntime(settings.model)
     identity = model_identity(settings, runtime.weights_digest)

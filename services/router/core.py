@@ -613,7 +613,11 @@ class Router:
             usage = generation_pb2.Usage(prompt_tokens=first.decode_state.prompt_tokens, completion_tokens=1)
             yield first.first_chunk, usage
             return
-        state.hold(first.kv_cache.handle)  # held at the prefill that produced it (the handle names it)
+        if first.kv_cache.HasField("paged"):  # contract 1.3: the KV stays in prefill's engine, a lease of its own
+            paged = first.kv_cache.paged
+            state.leases.setdefault(paged.producer_address, set()).add(paged.lease_id)
+        else:
+            state.hold(first.kv_cache.handle)  # held at the prefill that produced it (the handle names it)
         yield first.first_chunk, None
         decode_request = decode_pb2.DecodeRequest(
             request_id=state.request_id,

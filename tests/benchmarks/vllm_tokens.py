@@ -1,9 +1,10 @@
-"""Evidence, not a test: EPD on vLLM (E+PD: reference encoder + vLLM PD + router, each its own
-process) against vLLM's own unsplit run of the same tiny checkpoint and request (one `LLM`,
-vLLM preprocessing and encoding the media itself), greedy, float32. Prints one table row per
-family and mix.
+"""Evidence, not a test: EPD on vLLM (E+PD: reference encoder + vLLM PD + router; E/P/D: reference
+encoder + vLLM prefill + vLLM decode + router; each service its own process) against vLLM's own
+unsplit run of the same tiny checkpoint and request (one `LLM`, vLLM preprocessing and encoding
+the media itself), greedy, float32. Prints one table row per family, layout and mix.
 
-    .venv/bin/python tests/benchmarks/vllm_tokens.py --families qwen2_5_omni qwen2_5_vl qwen3_vl
+    .venv/bin/python tests/benchmarks/vllm_tokens.py --families qwen2_5_omni qwen2_5_vl qwen3_vl \
+        --layouts e+pd e/p/d
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def unsplit(model: str, family: str) -> None:
     print("@@" + json.dumps(out), flush=True)
 
 
-def epd(model: Path, family: str, run_dir: Path) -> tuple[dict[str, list[int]], float, dict[str, float]]:
-    spec = StackSpec(layout="e+pd", encoders=1, model=model, run_dir=run_dir, engine="vllm", ready_timeout_s=420)
+def epd(model: Path, family: str, layout: str, run_dir: Path) -> tuple[dict[str, list[int]], float, dict[str, float]]:
+    spec = StackSpec(layout=layout, encoders=1, model=model, run_dir=run_dir, engine="vllm", ready_timeout_s=600)
     started = time.monotonic()
     tokens: dict[str, list[int]] = {}
     ttft: dict[str, float] = {}
@@ -98,6 +99,7 @@ def epd(model: Path, family: str, run_dir: Path) -> tuple[dict[str, list[int]], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", default=["qwen2_5_omni", "qwen2_5_vl", "qwen3_vl"])
+    parser.add_argument("--layouts", nargs="+", default=["e+pd"], choices=["e+pd", "e/p/d"])
     parser.add_argument("--unsplit", nargs=2, metavar=("MODEL", "FAMILY"), help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.unsplit:
@@ -106,20 +108,22 @@ def main() -> None:
     rows = []
     for family in ns.families:
         model = ensure_checkpoint(family, "tiny")
-        ours, up, ttft = epd(model, family, ROOT / "var" / "run" / f"vllm-tokens-{family}")
         child = subprocess.run(
             [sys.executable, __file__, "--unsplit", str(model), family], capture_output=True, text=True, cwd=ROOT
         )
         lines = [line for line in child.stdout.splitlines() if line.startswith("@@")]
         theirs = json.loads(lines[-1][2:]) if lines else {}
-        for name, tokens in ours.items():
-            ref = theirs.get(name, "missing: " + child.stderr[-200:])
-            rows.append((family, name, tokens == ref, tokens, ref, ttft[name]))
-        print(f"{family}: E+PD stack up in {up:.0f} s", flush=True)
-    print("| family | mix | E+PD on vLLM == vLLM unsplit | E+PD tokens | unsplit tokens | TTFT (ms) |")
-    print("|---|---|---|---|---|---|")
-    for family, name, same, tokens, ref, t in rows:
-        print(f"| {family} | {name} | {'yes' if same else 'NO'} | {tokens} | {ref} | {t * 1e3:.0f} |")
+        for layout in ns.layouts:
+            run_dir = ROOT / "var" / "run" / f"vllm-tokens-{family}-{layout.replace('/', '-')}"
+            ours, up, ttft = epd(model, family, layout, run_dir)
+            for name, tokens in ours.items():
+                ref = theirs.get(name, "missing: " + child.stderr[-200:])
+                rows.append((family, layout, name, tokens == ref, tokens, ref, ttft[name]))
+            print(f"{family}: {layout} stack up in {up:.0f} s", flush=True)
+    print("| family | layout | mix | EPD on vLLM == vLLM unsplit | EPD tokens | unsplit tokens | TTFT (ms) |")
+    print("|---|---|---|---|---|---|---|")
+    for family, layout, name, same, tokens, ref, t in rows:
+        print(f"| {family} | {layout} | {name} | {'yes' if same else 'NO'} | {tokens} | {ref} | {t * 1e3:.0f} |")
 
 
 if __name__ == "__main__":

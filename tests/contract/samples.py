@@ -216,6 +216,33 @@ def decode_request() -> decode_pb2.DecodeRequest:
     )
 
 
+def paged_decode_request() -> decode_pb2.DecodeRequest:
+    """Since 1.3: decode from KV left in a vLLM prefill engine's blocks, with the engine's prompt."""
+    request = decode_request()
+    request.kv_cache.ClearField("handle")
+    request.kv_cache.layout.dtype = tensor_pb2.D_TYPE_FLOAT32
+    request.kv_cache.paged.CopyFrom(
+        prefill_pb2.PagedKvBlocks(
+            producer_address="127.0.0.1:50071",
+            lease_id="req-1-0a1b2c3d",
+            lease_expire_time=Timestamp(seconds=1_900_000_000),
+            engine_id="epd-prefill-5f3e2d1c0b9a",
+            engine_request_id="req-1-0a1b2c3d",
+            side_channel_host="127.0.0.1",
+            side_channel_port=45611,
+            groups=[prefill_pb2.KvBlockIds(block_ids=[7, 8, 12])],
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            decode_context_parallel_size=1,
+            transfer_mode=prefill_pb2.KV_TRANSFER_MODE_PULL,
+        )
+    )
+    request.decode_state.engine_prompt.CopyFrom(
+        prefill_pb2.EnginePrompt(token_ids=[151644, 872, 198, 151655, 151645], items=[encoded_image(0).layout])
+    )
+    return request
+
+
 def release_leases_request() -> lease_pb2.ReleaseLeasesRequest:
     return lease_pb2.ReleaseLeasesRequest(lease_ids=["lease-0", "lease-1"], reason=lease_pb2.RELEASE_REASON_ABANDONED)
 

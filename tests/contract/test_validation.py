@@ -22,6 +22,7 @@ VALIDATORS: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
     "PrefillRequest": (samples.prefill_request, v.validate_prefill_request),
     "PrefillDecodeRequest": (samples.prefill_decode_request, v.validate_prefill_decode_request),
     "DecodeRequest": (samples.decode_request, v.validate_decode_request),
+    "PagedDecodeRequest": (samples.paged_decode_request, v.validate_decode_request),
     "ReleaseLeasesRequest": (samples.release_leases_request, v.validate_release_leases_request),
     "GetServiceInfoRequest": (samples.get_service_info_request, v.validate_get_service_info_request),
 }
@@ -245,6 +246,47 @@ BAD = [
     Bad("DecodeRequest", _set("decode_state.generated_tokens", 0), "decode_state.generated_tokens", ">= 1"),
     Bad("DecodeRequest", _set("sampling.top_k", -1), "sampling.top_k", ">= 0"),
     Bad("DecodeRequest", _set("priority", -101), "priority", "got -101"),
+    # DecodeRequest with a paged KV cache (contract 1.3)
+    Bad(
+        "PagedDecodeRequest",
+        lambda r: r.kv_cache.handle.CopyFrom(samples.kv_cache().handle),
+        "kv_cache.handle",
+        "exactly one of handle and paged",
+    ),
+    Bad(
+        "PagedDecodeRequest",
+        lambda r: r.decode_state.ClearField("engine_prompt"),
+        "decode_state.engine_prompt",
+        "required",
+    ),
+    Bad("PagedDecodeRequest", _set("kv_cache.paged.side_channel_port", 0), "kv_cache.paged.side_channel_port", "65535"),
+    Bad("PagedDecodeRequest", _set("kv_cache.paged.engine_id", ""), "kv_cache.paged.engine_id", "required"),
+    Bad("PagedDecodeRequest", _set("kv_cache.paged.transfer_mode", 0), "kv_cache.paged.transfer_mode", "UNSPECIFIED"),
+    Bad("PagedDecodeRequest", lambda r: r.kv_cache.paged.ClearField("groups"), "kv_cache.paged.groups", "at least 1"),
+    Bad(
+        "PagedDecodeRequest",
+        lambda r: r.kv_cache.paged.groups[0].block_ids.append(-1),
+        "kv_cache.paged.groups[0].block_ids",
+        ">= 0",
+    ),
+    Bad(
+        "PagedDecodeRequest",
+        _set("kv_cache.paged.tensor_parallel_size", 0),
+        "kv_cache.paged.tensor_parallel_size",
+        ">= 1",
+    ),
+    Bad(
+        "PagedDecodeRequest",
+        lambda r: r.decode_state.engine_prompt.ClearField("token_ids"),
+        "decode_state.engine_prompt.token_ids",
+        "at least 1",
+    ),
+    Bad(
+        "PagedDecodeRequest",
+        _set("decode_state.engine_prompt.items.0.mm_hash", ""),
+        "decode_state.engine_prompt.items[0].mm_hash",
+        "empty",
+    ),
     # ReleaseLeasesRequest
     Bad("ReleaseLeasesRequest", _set("reason", 0), "reason", "RELEASE_REASON_UNSPECIFIED"),
     Bad("ReleaseLeasesRequest", lambda r: r.lease_ids.append(""), "lease_ids[2]", "empty"),

@@ -93,6 +93,7 @@ _CURRENT_REQUESTS = [
     samples.prefill_request,
     samples.prefill_decode_request,
     samples.decode_request,
+    samples.paged_decode_request,
     samples.release_leases_request,
     samples.get_service_info_request,
 ]

@@ -1,5 +1,6 @@
 """vLLM engine fixtures: one real stack per layout, started once per test session and reused
-(a vLLM engine takes 30-50 s and ~1.5 GB to start on 2 cores)."""
+(a vLLM engine takes 30-50 s and ~1.5 GB to start on 2 cores). One module uses each layout's
+stack, so module scope starts each once and stops it before the next layout's engines start."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def omni_tiny() -> Path:
     return ensure_checkpoint("qwen2_5_omni", "tiny")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_epd_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """E+PD: a reference encoder and a PD service on vLLM, behind the router; each its own process."""
     spec = StackSpec(
@@ -27,6 +28,22 @@ def vllm_epd_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) ->
         run_dir=tmp_path_factory.mktemp("vllm-e+pd"),
         engine="vllm",
         ready_timeout_s=420.0,
+    )
+    with Stack(spec).running() as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def vllm_split_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """E/P/D: a reference encoder, prefill and decode each on vLLM (KV moved by vLLM's NixlConnector
+    through the project's subclass), behind the router; each its own process."""
+    spec = StackSpec(
+        layout="e/p/d",
+        encoders=1,
+        model=omni_tiny,
+        run_dir=tmp_path_factory.mktemp("vllm-e-p-d"),
+        engine="vllm",
+        ready_timeout_s=600.0,
     )
     with Stack(spec).running() as stack:
         yield stack

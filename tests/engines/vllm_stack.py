@@ -4,17 +4,33 @@ and calls through a running stack."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from libs.client.generate import GenerationResult, build_request, generate, open_channel
-from libs.contract.epd.v1 import media_pb2, sampling_pb2
+from libs.contract.epd.v1 import (
+    encoder_pb2,
+    encoder_pb2_grpc,
+    layout_pb2,
+    lease_pb2,
+    lease_pb2_grpc,
+    media_pb2,
+    sampling_pb2,
+    stats_pb2,
+    stats_pb2_grpc,
+    tensor_pb2,
+)
 from libs.engine import types as eng
 from libs.engine.decode_runner import DecodeRunner
 from libs.engine.encoder_runner import EncoderRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.media import synthetic
 from libs.engine.prefill_runner import PrefillRunner
+from libs.rpc.server import open_channel as service_channel
 
 TOKENS = 8
 PROMPT = "Describe what you see and hear."
@@ -70,3 +86,48 @@ def call(address: str, req: object, timeout_s: float = 120.0) -> GenerationResul
             return await generate(channel, req, timeout_s=timeout_s)  # type: ignore[arg-type]
 
     return asyncio.run(run())
+
+
+def run(coro_fn: Callable[..., Any], *args: Any) -> Any:
+    return asyncio.run(coro_fn(*args))
+
+
+async def encode_image(address: str, data: bytes) -> layout_pb2.EncodedMedia:
+    """One image encoded directly by an encoder (the caller holds its lease)."""
+    async with service_channel(address) as channel:
+        reply = await encoder_pb2_grpc.EncoderServiceStub(channel).Encode(
+            encoder_pb2.EncodeRequest(
+                request_id="direct",
+                items=[
+                    encoder_pb2.EncodeItem(
+                        item_index=0, media=media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=data)
+                    )
+                ],
+                accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+            ),
+            timeout=60,
+        )
+    encoded: layout_pb2.EncodedMedia = reply.items[0]
+    return encoded
+
+
+async def release(address: str, lease_ids: list[str]) -> int:
+    async with service_channel(address) as channel:
+        reply = await lease_pb2_grpc.LeaseServiceStub(channel).ReleaseLeases(
+            lease_pb2.ReleaseLeasesRequest(lease_ids=lease_ids, reason=lease_pb2.RELEASE_REASON_ABANDONED), timeout=10
+        )
+        return int(reply.released_count)
+
+
+async def stats(address: str) -> stats_pb2.GetStatsResponse:
+    async with service_channel(address) as channel:
+        reply: stats_pb2.GetStatsResponse = await stats_pb2_grpc.StatsServiceStub(channel).GetStats(
+            stats_pb2.GetStatsRequest(), timeout=10
+        )
+        return reply
+
+
+async def health(address: str) -> int:
+    async with service_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        return int(reply.status)

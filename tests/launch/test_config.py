@@ -109,7 +109,7 @@ def test_the_schema_offers_each_role_only_settings_it_has() -> None:
             "roles.encoder.autoscale: min_replicas 4 > max_replicas 2",
         ),
         (lambda d: d["roles"]["prefill"].update(autoscale={"max_replicas": 2}), "only the encoder pool autoscales"),
-        (lambda d: d.update(engine="vllm"), "engine: vllm serves the E+PD layout"),
+        (lambda d: d.update(engine="vllm", layout="colocated", roles={"colocated": {}}), "engine: vllm serves the PD"),
         (lambda d: d["roles"]["router"].update(port=9090), "roles.router.port: 9090 is also telemetry.metrics_port"),
         (lambda d: d.update(tls={"enabled": "yes"}), "tls.enabled: 'yes' is not of type 'boolean'"),
         (lambda d: d.pop("layout"), "'layout' is a required property"),

@@ -11,7 +11,6 @@ requests with UNAVAILABLE and is restarted (`supervisor.py`).
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import tempfile
 import time
@@ -21,18 +20,17 @@ from typing import Any
 
 import structlog
 
-from libs.contract.epd.v1 import chat_pb2, generation_pb2, tensor_pb2
-from libs.contract.errors import DeadlineExceeded, EpdError, Unavailable, error_for
+from libs.contract.epd.v1 import chat_pb2, generation_pb2
+from libs.contract.errors import EpdError
 from libs.engine import types as eng
 from libs.engines.api import Streamed
 from libs.engines.settings import EngineSettings
 from libs.engines.vllm import runtime
 from libs.engines.vllm.requests import RequestPlanner, failure_path
+from libs.engines.vllm.streams import EncoderAgents, next_output, raise_load_failure
 from libs.engines.vllm.supervisor import EngineSupervisor
 from libs.serving.identity import model_identity
-from libs.serving.transport import MetadataResolver
 from libs.telemetry.stages import record_duration, stage, start_phase
-from libs.transfer import PeerUnavailable
 
 _log = structlog.get_logger(__name__)
 _FINISH = {"length": eng.FinishReason.LENGTH}
@@ -46,8 +44,7 @@ class VllmPrefillDecode:
     def __init__(self, settings: EngineSettings, planner: RequestPlanner, failure_dir: Path) -> None:
         self.planner = planner
         self.weights_digest = planner.checkpoint.weights_digest()
-        self._resolver = MetadataResolver(model_identity(settings, self.weights_digest))
-        self._metadata: dict[tuple[str, str, str], Any] = {}  # (address, agent, incarnation) -> resolved
+        self._agents = EncoderAgents(model_identity(settings, self.weights_digest))
         self._failure_dir = failure_dir
         self._default_max_tokens = 256  # as the reference runtime
         self.supervisor = EngineSupervisor(
@@ -78,15 +75,6 @@ class VllmPrefillDecode:
     def watch_health(self, setter: Any) -> None:
         self.supervisor.watch_health(setter)
 
-    def _agent_metadata(self, ref: tensor_pb2.NixlAgentRef) -> Any:
-        key = (ref.producer_address, ref.agent_name, ref.instance_id)
-        if key not in self._metadata:
-            try:
-                self._metadata[key] = self._resolver(ref)  # GetServiceInfo + model check
-            except PeerUnavailable as exc:
-                raise Unavailable(f"encoder {ref.producer_address}: {exc}") from None
-        return self._metadata[key]
-
     async def generate(
         self,
         request_id: str,
@@ -94,9 +82,7 @@ class VllmPrefillDecode:
         sampling: eng.SamplingParams,
         deadline: float | None,
     ) -> AsyncIterator[Streamed]:
-        planned = await asyncio.to_thread(
-            self.planner.plan, request_id, messages, sampling, self._agent_metadata, deadline
-        )
+        planned = await asyncio.to_thread(self.planner.plan, request_id, messages, sampling, self._agents, deadline)
         params = runtime.sampling_params(sampling, self._default_max_tokens, planned.items)
         llm = self.supervisor.current()
         failure = failure_path(self._failure_dir, request_id)
@@ -107,9 +93,9 @@ class VllmPrefillDecode:
         try:
             stream = llm.generate(planned.prompt, params, request_id)
             with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as prefill_span:
-                first = await _next(stream, deadline)
+                first = await next_output(stream, deadline)
                 prefill_span.set_attribute("epd.prompt_tokens", len(first.prompt_token_ids or ()))
-            _raise_load_failure(failure)  # before anything built on missing embeddings is streamed
+            raise_load_failure(failure)  # before anything built on missing embeddings is streamed
             span = start_phase("decode.generate", **{"epd.stage": "decode", "epd.engine": "vllm"})
             out: Any = first
             while True:
@@ -122,7 +108,7 @@ class VllmPrefillDecode:
                 yield chunk, usage
                 if finished:
                     return
-                out = await _next(stream, deadline)
+                out = await next_output(stream, deadline)
         except EpdError:
             raise
         except Exception as exc:
@@ -137,30 +123,5 @@ class VllmPrefillDecode:
 
     async def close(self) -> None:
         await self.supervisor.close()
-        self._resolver.close()
+        self._agents.close()
         shutil.rmtree(self._failure_dir, ignore_errors=True)
-
-
-async def _next(stream: AsyncIterator[Any], deadline: float | None) -> Any:
-    """The next output, within the request's deadline; the stream ending early is an engine abort."""
-    timeout = None if deadline is None else deadline - time.monotonic()
-    if timeout is not None and timeout <= 0:
-        raise DeadlineExceeded("deadline passed while generating")
-    try:
-        return await asyncio.wait_for(anext(stream), timeout)
-    except TimeoutError:
-        raise DeadlineExceeded("deadline passed while generating") from None
-    except StopAsyncIteration:
-        raise Unavailable("vLLM ended the request without a finish") from None
-
-
-def _raise_load_failure(path: Path) -> None:
-    """The EC connector's report of embeddings it could not read, as the transfer's typed error."""
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return
-    import grpc
-
-    code = getattr(grpc.StatusCode, str(report.get("code", "UNAVAILABLE")), grpc.StatusCode.UNAVAILABLE)
-    raise error_for(code, f"embedding read failed in the vLLM worker: {report.get('message', '')}", "items")

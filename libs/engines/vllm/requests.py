@@ -186,6 +186,37 @@ class RequestPlanner:
             prompt["multi_modal_uuids"] = uuids
         return PlannedRequest(prompt, descriptors, len(expanded.input_ids))
 
+    def plan_decode(self, token_ids: Sequence[int], layouts: Sequence[eng.ItemLayout], field: str) -> dict[str, Any]:
+        """The prompt a decode engine rebuilds the sequence from, as prefill's engine took it: token
+        ids with one placeholder per item and the items' layout metadata, no embeddings (its KV
+        arrives from prefill). Checked first: an inconsistent item would kill the engine."""
+        to_id = self.tokenizer.convert_tokens_to_ids
+        placeholders = {to_id(self.adapter.placeholder_token(m)): m for m in self.adapter.modalities}
+        in_prompt = [placeholders[t].value for t in token_ids if t in placeholders]
+        items = [layout.modality.value for layout in layouts]
+        if in_prompt != items:
+            raise InvalidArgument(f"{field}.token_ids", f"placeholders {in_prompt} do not match the items {items}")
+        data: dict[str, dict[str, list[Any]]] = {}
+        uuids: dict[str, list[str]] = {}
+        for index, layout in enumerate(layouts):
+            if layout.modality not in self.adapter.modalities:
+                raise InvalidArgument(f"{field}.items[{index}].modality", f"no {layout.modality.value} input")
+            _check_count(layout, self.merge, f"{field}.items[{index}]")
+            _add_metadata(data.setdefault(layout.modality.value, {}), layout, self.family)
+            # Content hashes: equal items may share decode's prefix cache, as their KV is equal.
+            uuids.setdefault(layout.modality.value, []).append(layout.mm_hash)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
+        if layouts:
+            prompt["multi_modal_data"] = {kind: _tensors(fields) for kind, fields in data.items()}
+            prompt["multi_modal_uuids"] = uuids
+        return prompt
+
+    def kv_dims(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head size) of the language model: the KV layout a handoff describes."""
+        text = self.adapter.text_config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return int(text.num_hidden_layers), int(text.num_key_value_heads), int(head_dim)
+
 
 def _check_count(layout: eng.ItemLayout, merge: int, field: str) -> None:
     """vLLM sizes an item's placeholder range from its metadata and places the embedding rows there:

@@ -11,9 +11,11 @@ Settings that matter on this machine (docs/engine.md, vLLM):
 
 from __future__ import annotations
 
+import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from libs.contract.epd.v1 import generation_pb2
 from libs.contract.errors import EpdError, InvalidArgument, Unavailable
@@ -23,6 +25,7 @@ from libs.engines.vllm.requests import ItemDescriptor
 from libs.serving.convert import chunk_to_wire
 
 EC_CONNECTOR_MODULE = "libs.engines.vllm.ec_connector"
+KV_CONNECTOR_MODULE = "libs.engines.vllm.kv_connector"
 
 
 def loopback_environment() -> None:
@@ -42,10 +45,32 @@ def loopback_environment() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, path) if p)
 
 
-def build_engine(settings: EngineSettings, *, failure_dir: Path, ec_consumer: bool) -> Any:
+def cpu_environment(threads: int) -> None:
+    """vLLM binds its worker's OpenMP threads to cores itself: with a KV connector on a 2-core host
+    it takes every core (it reserves one more for transfers, finds none left, and binds to all),
+    and each engine binds the same cores. Unbound, with the service's thread count, the engines of
+    one host share the cores through the OS scheduler (measured: docs/engine.md, P and D on vLLM)."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    os.environ["OMP_NUM_THREADS"] = str(max(1, threads))
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    """The engine's side of a P->D KV handoff (vLLM's NixlConnector through the project's
+    subclass): `kv_producer` (prefill) or `kv_consumer` (decode)."""
+
+    role: Literal["kv_producer", "kv_consumer"]
+    engine_id: str  # new at every engine start: a consumer's handshake checks it
+    side_channel_port: int  # where the engine serves its NIXL agent metadata
+
+
+def build_engine(
+    settings: EngineSettings, *, failure_dir: Path, ec_consumer: bool, kv: KvTransfer | None = None
+) -> Any:
     """A started `AsyncLLM` (blocking: spawns EngineCore and Worker, loads weights)."""
     loopback_environment()
-    from vllm.config import ECTransferConfig
+    cpu_environment(settings.torch_threads)
+    from vllm.config import ECTransferConfig, KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -67,27 +92,61 @@ def build_engine(settings: EngineSettings, *, failure_dir: Path, ec_consumer: bo
             ec_role="ec_consumer",
             ec_connector_extra_config={"failure_dir": str(failure_dir)},
         )
+    if kv is not None:
+        # Read by the spawned EngineCore, which serves the side channel (the worker reads its own
+        # copy of the environment too): set before the engine spawns them.
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv.side_channel_port)
+        args["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="EpdNixlConnector",
+            kv_connector_module_path=KV_CONNECTOR_MODULE,
+            kv_role=kv.role,
+            kv_buffer_device="cpu",
+            engine_id=kv.engine_id,
+            kv_load_failure_policy="fail",  # "recompute" would run the vision tower on metadata-only items
+            kv_connector_extra_config={"num_threads": 1, "kv_lease_duration": max(1, int(settings.lease_ttl_s))},
+        )
+        args["worker_extension_cls"] = f"{KV_CONNECTOR_MODULE}.EpdKvWorkerExtension"
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
 
-def sampling_params(params: eng.SamplingParams, default_max_tokens: int, items: dict[str, ItemDescriptor]) -> Any:
-    """The project's sampling as vLLM's, streaming deltas; the EC items ride in `extra_args`."""
+def split_seed(params: eng.SamplingParams, request_id: str) -> int | None:
+    """The seed of a request split over two engines. Decode's engine samples the first token again
+    (it recomputes the prompt's last token), so both engines must draw the same one: a request
+    sampled without a seed gets one derived from its id, which prefill and decode both know."""
+    if params.seed is not None or params.temperature == 0:
+        return params.seed
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:4], "big") & 0x7FFFFFFF
+
+
+def sampling_params(
+    params: eng.SamplingParams,
+    default_max_tokens: int,
+    items: dict[str, ItemDescriptor],
+    *,
+    seed: int | None = None,
+    max_tokens: int | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> Any:
+    """The project's sampling as vLLM's, streaming deltas; the EC items and the KV handoff ride in
+    `extra_args`. `seed` and `max_tokens` override the request's (P/D split)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    extra: dict[str, Any] | None = None
+    extra: dict[str, Any] = {}
     if items:
-        extra = {"ec_transfer_params": {"epd_items": {uuid: item.to_dict() for uuid, item in items.items()}}}
+        extra["ec_transfer_params"] = {"epd_items": {uuid: item.to_dict() for uuid, item in items.items()}}
+    if kv_transfer_params is not None:
+        extra["kv_transfer_params"] = kv_transfer_params
     return SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
-        seed=params.seed,
-        max_tokens=params.max_tokens or default_max_tokens,
+        seed=params.seed if seed is None else seed,
+        max_tokens=max_tokens or params.max_tokens or default_max_tokens,
         stop=list(params.stop) or None,
         stop_token_ids=list(params.stop_token_ids) or None,
         output_kind=RequestOutputKind.DELTA,
-        extra_args=extra,
+        extra_args=extra or None,
     )
 
 

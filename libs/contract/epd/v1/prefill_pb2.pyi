@@ -7,11 +7,14 @@ isort:skip_file
 from collections import abc as _abc
 from . import chat_pb2 as _chat_pb2
 from . import generation_pb2 as _generation_pb2
+from . import layout_pb2 as _layout_pb2
 from . import sampling_pb2 as _sampling_pb2
 from . import tensor_pb2 as _tensor_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -22,6 +25,30 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _KvTransferMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _KvTransferModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KvTransferMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    KV_TRANSFER_MODE_UNSPECIFIED: _KvTransferMode.ValueType  # 0
+    """Not set: rejected."""
+    KV_TRANSFER_MODE_PULL: _KvTransferMode.ValueType  # 1
+    """The consumer engine READs the blocks over NIXL, then notifies the producer engine, which
+    frees them (vLLM's NixlConnector, pull mode).
+    """
+
+class KvTransferMode(_KvTransferMode, metaclass=_KvTransferModeEnumTypeWrapper):
+    """How a consumer engine moves paged KV blocks."""
+
+KV_TRANSFER_MODE_UNSPECIFIED: KvTransferMode.ValueType  # 0
+"""Not set: rejected."""
+KV_TRANSFER_MODE_PULL: KvTransferMode.ValueType  # 1
+"""The consumer engine READs the blocks over NIXL, then notifies the producer engine, which
+frees them (vLLM's NixlConnector, pull mode).
+"""
+Global___KvTransferMode: _TypeAlias = KvTransferMode  # noqa: Y015
 
 @_typing.final
 class KvCacheLayout(_message.Message):
@@ -65,33 +92,183 @@ Global___KvCacheLayout: _TypeAlias = KvCacheLayout  # noqa: Y015
 
 @_typing.final
 class KvCache(_message.Message):
-    """A KV cache exported by prefill for decode."""
+    """A KV cache exported by prefill for decode. Exactly one of `handle` and `paged` is set."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     LAYOUT_FIELD_NUMBER: _builtins.int
     HANDLE_FIELD_NUMBER: _builtins.int
+    PAGED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def layout(self) -> Global___KvCacheLayout:
-        """Shape. Required."""
+        """Shape. Required. With `paged`, the tensor layout inside the blocks is the engines' own; the
+        counts and dtype still describe the cache.
+        """
 
     @_builtins.property
     def handle(self) -> _tensor_pb2.TensorHandle:
-        """The per-layer tensors. Required."""
+        """The per-layer tensors, read by the consumer service over its transport."""
+
+    @_builtins.property
+    def paged(self) -> Global___PagedKvBlocks:
+        """The cache left in the prefill engine's own paged blocks, read by a decode engine of the same
+        kind itself. Since contract 1.3: set only by prefill services that advertise the
+        "kv.paged_blocks" capability, for decode services that advertise it too.
+        """
 
     def __init__(
         self,
         *,
         layout: Global___KvCacheLayout | None = ...,
         handle: _tensor_pb2.TensorHandle | None = ...,
+        paged: Global___PagedKvBlocks | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["handle", b"handle", "layout", b"layout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["handle", b"handle", "layout", b"layout", "paged", b"paged"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["handle", b"handle", "layout", b"layout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handle", b"handle", "layout", b"layout", "paged", b"paged"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KvCache: _TypeAlias = KvCache  # noqa: Y015
+
+@_typing.final
+class KvBlockIds(_message.Message):
+    """Block ids of one KV-cache group."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Indexes into the producer engine's block pool, in token order. At least one."""
+
+    def __init__(
+        self,
+        *,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvBlockIds: _TypeAlias = KvBlockIds  # noqa: Y015
+
+@_typing.final
+class PagedKvBlocks(_message.Message):
+    """Where a prefill engine holds a request's KV cache in its paged block pool and how a decode
+    engine of the same kind reaches it: it fetches the producer engine's NIXL agent metadata from
+    the engine's side channel, READs the blocks into blocks of its own and notifies the producer.
+    Since contract 1.3.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PRODUCER_ADDRESS_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    LEASE_EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SIDE_CHANNEL_HOST_FIELD_NUMBER: _builtins.int
+    SIDE_CHANNEL_PORT_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    DECODE_CONTEXT_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    TRANSFER_MODE_FIELD_NUMBER: _builtins.int
+    producer_address: _builtins.str
+    """Address (host:port) of the prefill service holding the blocks; its `LeaseService` releases
+    them. Required.
+    """
+    lease_id: _builtins.str
+    """Lease on the blocks, as for a `TensorHandle`: released through the producer's `LeaseService`
+    or by the consumer's read, freed at expiry. Required.
+    """
+    engine_id: _builtins.str
+    """KV-transfer identity of the producer engine, new at every engine start. Required."""
+    engine_request_id: _builtins.str
+    """The producer engine's own id of the request the blocks belong to. Required."""
+    side_channel_host: _builtins.str
+    """Host (an IP address) of the producer engine's side channel. Required."""
+    side_channel_port: _builtins.int
+    """Port of the producer engine's side channel, 1-65535."""
+    tensor_parallel_size: _builtins.int
+    """Tensor-parallel ranks of the producer engine, >= 1."""
+    pipeline_parallel_size: _builtins.int
+    """Pipeline-parallel stages of the producer engine, >= 1."""
+    decode_context_parallel_size: _builtins.int
+    """Decode-context-parallel ranks of the producer engine, >= 1."""
+    transfer_mode: Global___KvTransferMode.ValueType
+    """How the consumer engine moves the blocks. Required."""
+    @_builtins.property
+    def lease_expire_time(self) -> _timestamp_pb2.Timestamp:
+        """When the producer frees blocks nobody read (a consumer engine waiting for them may extend
+        it). Required.
+        """
+
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvBlockIds]:
+        """Block ids, one list per KV-cache group of the model. At least one group."""
+
+    def __init__(
+        self,
+        *,
+        producer_address: _builtins.str = ...,
+        lease_id: _builtins.str = ...,
+        lease_expire_time: _timestamp_pb2.Timestamp | None = ...,
+        engine_id: _builtins.str = ...,
+        engine_request_id: _builtins.str = ...,
+        side_channel_host: _builtins.str = ...,
+        side_channel_port: _builtins.int = ...,
+        groups: _abc.Iterable[Global___KvBlockIds] | None = ...,
+        tensor_parallel_size: _builtins.int = ...,
+        pipeline_parallel_size: _builtins.int = ...,
+        decode_context_parallel_size: _builtins.int = ...,
+        transfer_mode: Global___KvTransferMode.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_expire_time", b"lease_expire_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_context_parallel_size", b"decode_context_parallel_size", "engine_id", b"engine_id", "engine_request_id", b"engine_request_id", "groups", b"groups", "lease_expire_time", b"lease_expire_time", "lease_id", b"lease_id", "pipeline_parallel_size", b"pipeline_parallel_size", "producer_address", b"producer_address", "side_channel_host", b"side_channel_host", "side_channel_port", b"side_channel_port", "tensor_parallel_size", b"tensor_parallel_size", "transfer_mode", b"transfer_mode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PagedKvBlocks: _TypeAlias = PagedKvBlocks  # noqa: Y015
+
+@_typing.final
+class EnginePrompt(_message.Message):
+    """The prompt of a request as an engine took it, for a decode engine that rebuilds the sequence
+    itself around a paged KV cache (vLLM: positions, M-RoPE from the items' grids). No embeddings:
+    decode reads none. Since contract 1.3.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids: the chat template with one placeholder token per media item (the engine expands
+        each from its layout). At least one.
+        """
+
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[_layout_pb2.ItemLayout]:
+        """Layout of each media item, in prompt order."""
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        items: _abc.Iterable[_layout_pb2.ItemLayout] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnginePrompt: _TypeAlias = EnginePrompt  # noqa: Y015
 
 @_typing.final
 class DecodeState(_message.Message):
@@ -104,6 +281,7 @@ class DecodeState(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
     GENERATED_TEXT_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    ENGINE_PROMPT_FIELD_NUMBER: _builtins.int
     next_input_token_id: _builtins.int
     """Token id to feed at the next step (the last generated token)."""
     rope_delta: _builtins.int
@@ -116,6 +294,12 @@ class DecodeState(_message.Message):
     """Text already generated, for stop sequences that span the prefill/decode boundary (UTF-8)."""
     prompt_tokens: _builtins.int
     """Tokens in the prompt, in tokens."""
+    @_builtins.property
+    def engine_prompt(self) -> Global___EnginePrompt:
+        """The prompt as the prefill engine took it. Since contract 1.3: set with `KvCache.paged` (a
+        decode engine reading paged blocks rebuilds the sequence from it); unset otherwise.
+        """
+
     def __init__(
         self,
         *,
@@ -124,10 +308,11 @@ class DecodeState(_message.Message):
         generated_tokens: _builtins.int = ...,
         generated_text: _builtins.str = ...,
         prompt_tokens: _builtins.int = ...,
+        engine_prompt: Global___EnginePrompt | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["engine_prompt", b"engine_prompt"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_text", b"generated_text", "generated_tokens", b"generated_tokens", "next_input_token_id", b"next_input_token_id", "prompt_tokens", b"prompt_tokens", "rope_delta", b"rope_delta"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_prompt", b"engine_prompt", "generated_text", b"generated_text", "generated_tokens", b"generated_tokens", "next_input_token_id", b"next_input_token_id", "prompt_tokens", b"prompt_tokens", "rope_delta", b"rope_delta"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
