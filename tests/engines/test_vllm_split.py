@@ -12,7 +12,6 @@ stack: the 1.3 fields pass through it. Runs last: the engine-kill test (restarts
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +35,7 @@ from libs.contract.epd.v1 import (
     tensor_pb2,
 )
 from libs.engine.media import synthetic
-from libs.launch.process import ROOT, ServiceProcess
+from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
 from tests.engines.vllm_stack import (
@@ -50,6 +49,7 @@ from tests.engines.vllm_stack import (
     run,
     stats,
 )
+from tests.release_tree import release_checkout
 
 pytestmark = pytest.mark.slow
 MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
@@ -235,19 +235,8 @@ def test_a_deadline_mid_stream_ends_typed_and_frees_everything(vllm_split_stack:
 @pytest.fixture(scope="module")
 def release_1_2_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A checkout of the commit that released contract 1.2 (its router speaks 1.2)."""
-    found = subprocess.run(
-        ["git", "log", "--format=%H", f"--grep={RELEASE_1_2}", "-1"], cwd=ROOT, capture_output=True, text=True
-    )
-    commit = found.stdout.strip()
-    if not commit:
-        pytest.fail(f"no commit '{RELEASE_1_2}' in this clone's history (a shallow clone? git fetch --unshallow)")
-    path = tmp_path_factory.mktemp("v1_2") / "epd"
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=ROOT, check=True, capture_output=True)
-    try:
+    with release_checkout(RELEASE_1_2, tmp_path_factory.mktemp("v1_2")) as path:
         yield path
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True)
-        subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
 
 
 def test_a_contract_1_2_router_passes_the_typed_handoff(

@@ -6,7 +6,6 @@ both directions, and a rolling upgrade of a running stack, one service at a time
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -20,6 +19,7 @@ from libs.client.generate import GenerationResult, generate, open_channel
 from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
 from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
 from libs.launch.process import ROOT, ServiceProcess, free_port
+from tests.release_tree import release_checkout
 from tests.services.conftest import MIXES
 from tests.services.golden import request_for
 
@@ -31,31 +31,8 @@ UPGRADE_ORDER = ["router", "encoder-0", "encoder-1", "prefill", "decode"]
 @pytest.fixture(scope="module")
 def v1_0_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A checkout of the commit that released contract 1.0 (its services speak 1.0)."""
-    found = subprocess.run(
-        ["git", "log", "--format=%H", f"--grep={RELEASE_1_0}", "-1"], cwd=ROOT, capture_output=True, text=True
-    )
-    commit = found.stdout.strip()
-    if not commit:
-        # A shallow clone (as some CI systems make) lacks the release commit: fetch the history
-        # rather than skip, or the cross-version tests would silently stop running.
-        shallow = subprocess.run(
-            ["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True
-        )
-        if shallow.stdout.strip() == "true":
-            subprocess.run(["git", "fetch", "--unshallow", "--quiet"], cwd=ROOT, capture_output=True, timeout=300)
-            found = subprocess.run(
-                ["git", "log", "--format=%H", f"--grep={RELEASE_1_0}", "-1"], cwd=ROOT, capture_output=True, text=True
-            )
-            commit = found.stdout.strip()
-    if not commit:
-        pytest.fail(f"no commit '{RELEASE_1_0}' in this clone's history (git: {found.stderr.strip() or 'no match'})")
-    path = tmp_path_factory.mktemp("v1_0") / "epd"
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=ROOT, check=True, capture_output=True)
-    try:
+    with release_checkout(RELEASE_1_0, tmp_path_factory.mktemp("v1_0")) as path:
         yield path
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True)
-        subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
 
 
 # The 1.0 release predates `TransferConfig.ucx_modules`: where libibverbs is installed (it is, for
