@@ -334,7 +334,8 @@ class Router:
                             )
                         replay = None
                         continue
-                    first = first or chunk
+                    if first is None:
+                        first = chunk
                     yield chunk, usage
                 return
             except RpcFailed as exc:
