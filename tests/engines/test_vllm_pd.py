@@ -7,64 +7,45 @@ Runs last within this module: the engine-kill test (a restart costs ~1 min)."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import psutil
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from libs.contract.epd.v1 import (
     chat_pb2,
-    encoder_pb2,
-    encoder_pb2_grpc,
     layout_pb2,
-    lease_pb2,
-    lease_pb2_grpc,
     media_pb2,
     prefill_decode_pb2,
     prefill_decode_pb2_grpc,
     sampling_pb2,
     service_info_pb2,
     service_info_pb2_grpc,
-    stats_pb2,
-    stats_pb2_grpc,
     tensor_pb2,
 )
 from libs.engine.media import synthetic
 from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
-from tests.engines.vllm_stack import call, mixes, reference_tokens, request
+from tests.engines.vllm_stack import (
+    call,
+    cancel_after_chunks,
+    encode_image,
+    health,
+    mixes,
+    reference_tokens,
+    release,
+    request,
+    run,
+    stats,
+)
 
 pytestmark = pytest.mark.slow
 MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
-
-
-def _run(coro_fn: Callable[..., Any], *args: Any) -> Any:
-    return asyncio.run(coro_fn(*args))
-
-
-async def _encode(address: str, data: bytes) -> layout_pb2.EncodedMedia:
-    async with open_channel(address) as channel:
-        reply = await encoder_pb2_grpc.EncoderServiceStub(channel).Encode(
-            encoder_pb2.EncodeRequest(
-                request_id="direct",
-                items=[
-                    encoder_pb2.EncodeItem(
-                        item_index=0, media=media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=data)
-                    )
-                ],
-                accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
-            ),
-            timeout=60,
-        )
-    encoded: layout_pb2.EncodedMedia = reply.items[0]
-    return encoded
 
 
 def _pd_request(encoded: layout_pb2.EncodedMedia | None, text: str = "Describe this.", max_tokens: int = 4) -> Any:
@@ -87,37 +68,23 @@ async def _prefill_decode(address: str, req: Any) -> list[int]:
 
 def _pd_status(address: str, req: Any) -> tuple[grpc.StatusCode, str]:
     try:
-        _run(_prefill_decode, address, req)
+        run(_prefill_decode, address, req)
     except grpc.aio.AioRpcError as exc:
         return exc.code(), exc.details() or ""
     return grpc.StatusCode.OK, ""
-
-
-async def _stats(address: str) -> stats_pb2.GetStatsResponse:
-    async with open_channel(address) as channel:
-        reply: stats_pb2.GetStatsResponse = await stats_pb2_grpc.StatsServiceStub(channel).GetStats(
-            stats_pb2.GetStatsRequest(), timeout=10
-        )
-        return reply
 
 
 def _wait_empty(stack: Stack, timeout_s: float = 20.0) -> None:
     """Every encoder pool back to empty, no lease held, no sequence left in PD."""
     deadline = time.monotonic() + timeout_s
     while True:
-        encoders = [_run(_stats, p.address) for n, p in stack.processes.items() if n.startswith("encoder")]
-        pd = _run(_stats, stack.processes["pd"].address)
+        encoders = [run(stats, p.address) for n, p in stack.processes.items() if n.startswith("encoder")]
+        pd = run(stats, stack.processes["pd"].address)
         busy = [s.pool.slots_in_use + s.pool.active_leases for s in encoders] + [pd.active_sequences]
         if not any(busy):
             return
         assert time.monotonic() < deadline, f"still held: {busy}"
         time.sleep(0.2)
-
-
-async def _health(address: str) -> int:
-    async with open_channel(address) as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-        return int(reply.status)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +108,7 @@ def test_service_info_advertises_the_engine(vllm_epd_stack: Stack) -> None:
             )
             return reply.info
 
-    got = _run(info)
+    got = run(info)
     assert "engine.vllm" in got.capabilities
     widths = {spec.modality: (spec.width, spec.dtype) for spec in got.embedding_specs}
     assert widths[media_pb2.MODALITY_IMAGE] == (64, tensor_pb2.D_TYPE_FLOAT32)
@@ -153,7 +120,7 @@ def test_bad_input_is_refused_before_it_reaches_vllm(vllm_epd_stack: Stack) -> N
     encoder = vllm_epd_stack.processes["encoder-0"].address
     code, details = _pd_status(pd, _pd_request(None, text="look: <|IMAGE|>"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "placeholder" in details
-    encoded = _run(_encode, encoder, synthetic.png_bytes(56, 56, seed=7))
+    encoded = run(encode_image, encoder, synthetic.png_bytes(56, 56, seed=7))
     wrong = layout_pb2.EncodedMedia()
     wrong.CopyFrom(encoded)
     wrong.embeddings.tensors[0].spec.shape[1] = 32  # not the model's width
@@ -175,44 +142,20 @@ def test_missing_embedding_fails_the_request_and_the_engine_lives(
 ) -> None:
     pd = vllm_epd_stack.processes["pd"].address
     encoder = vllm_epd_stack.processes["encoder-0"].address
-    encoded = _run(_encode, encoder, synthetic.png_bytes(84, 56, seed=8))
+    encoded = run(encode_image, encoder, synthetic.png_bytes(84, 56, seed=8))
 
-    async def release() -> None:
-        async with open_channel(encoder) as channel:
-            await lease_pb2_grpc.LeaseServiceStub(channel).ReleaseLeases(
-                lease_pb2.ReleaseLeasesRequest(
-                    lease_ids=[encoded.embeddings.lease_id], reason=lease_pb2.RELEASE_REASON_ABANDONED
-                ),
-                timeout=10,
-            )
-
-    _run(release)  # the encoder frees (and poisons) the slot: the READ in vLLM's worker must fail
+    # The encoder frees (and poisons) the slot: the READ in vLLM's worker must fail.
+    assert run(release, encoder, [encoded.embeddings.lease_id]) == 1
     code, details = _pd_status(pd, _pd_request(encoded))
     assert code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE), (code, details)
     assert "embedding" in details
-    assert _run(_health, pd) == health_pb2.HealthCheckResponse.SERVING
+    assert run(health, pd) == health_pb2.HealthCheckResponse.SERVING
     assert call(vllm_epd_stack.address, request(MIXES["image"])).token_ids == expected["image"]
     _wait_empty(vllm_epd_stack)
 
 
 def test_cancel_mid_stream_frees_the_sequence_and_the_leases(vllm_epd_stack: Stack) -> None:
-    from libs.client.generate import open_channel as client_channel
-    from libs.contract.epd.v1 import generate_pb2_grpc
-
-    async def cancel_after_first_chunk() -> int:
-        async with client_channel(vllm_epd_stack.address) as channel:
-            stream = generate_pb2_grpc.GenerateServiceStub(channel).Generate(
-                request(MIXES["image"], max_tokens=400), timeout=120
-            )
-            chunks = 0
-            async for _ in stream:
-                chunks += 1
-                if chunks == 2:
-                    stream.cancel()
-                    break
-            return chunks
-
-    assert _run(cancel_after_first_chunk) == 2
+    assert run(cancel_after_chunks, vllm_epd_stack.address, request(MIXES["image"], max_tokens=400), 2) == 2
     _wait_empty(vllm_epd_stack)
 
 
@@ -231,11 +174,11 @@ def test_killed_engine_fails_requests_unavailable_then_restarts(
         statuses.add(_pd_status(pd.address, _pd_request(None))[0])
     assert grpc.StatusCode.UNAVAILABLE in statuses
     deadline = time.monotonic() + 10  # the supervisor polls the engine twice a second
-    while _run(_health, pd.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+    while run(health, pd.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
         assert time.monotonic() < deadline, "health stayed SERVING with a dead engine"
         time.sleep(0.1)
     deadline = time.monotonic() + 300
-    while _run(_health, pd.address) != health_pb2.HealthCheckResponse.SERVING:
+    while run(health, pd.address) != health_pb2.HealthCheckResponse.SERVING:
         assert time.monotonic() < deadline, "the engine did not come back"
         time.sleep(1.0)
     assert pd.alive()

@@ -40,6 +40,7 @@ from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
 from tests.engines.vllm_stack import (
     call,
+    cancel_after_chunks,
     encode_image,
     health,
     mixes,
@@ -203,23 +204,7 @@ def test_a_missing_embedding_fails_prefill_and_the_engine_lives(
 
 
 def test_cancel_mid_stream_frees_prefill_decode_and_the_leases(vllm_split_stack: Stack) -> None:
-    from libs.client.generate import open_channel as client_channel
-    from libs.contract.epd.v1 import generate_pb2_grpc
-
-    async def cancel_after_two_chunks() -> int:
-        async with client_channel(vllm_split_stack.address) as channel:
-            stream = generate_pb2_grpc.GenerateServiceStub(channel).Generate(
-                request(MIXES["image"], max_tokens=400), timeout=120
-            )
-            chunks = 0
-            async for _ in stream:
-                chunks += 1
-                if chunks == 2:
-                    stream.cancel()
-                    break
-            return chunks
-
-    assert run(cancel_after_two_chunks) == 2
+    assert run(cancel_after_chunks, vllm_split_stack.address, request(MIXES["image"], max_tokens=400), 2) == 2
     _wait_empty(vllm_split_stack)
 
 

@@ -15,6 +15,7 @@ from libs.client.generate import GenerationResult, build_request, generate, open
 from libs.contract.epd.v1 import (
     encoder_pb2,
     encoder_pb2_grpc,
+    generate_pb2_grpc,
     layout_pb2,
     lease_pb2,
     lease_pb2_grpc,
@@ -90,6 +91,19 @@ def call(address: str, req: object, timeout_s: float = 120.0) -> GenerationResul
 
 def run(coro_fn: Callable[..., Any], *args: Any) -> Any:
     return asyncio.run(coro_fn(*args))
+
+
+async def cancel_after_chunks(router: str, req: object, chunks: int) -> int:
+    """Stream `req` through the router and cancel once `chunks` chunks arrived; how many did."""
+    async with open_channel(router) as channel:
+        stream = generate_pb2_grpc.GenerateServiceStub(channel).Generate(req, timeout=120)
+        received = 0
+        async for _ in stream:
+            received += 1
+            if received == chunks:
+                stream.cancel()
+                break
+        return received
 
 
 async def encode_image(address: str, data: bytes) -> layout_pb2.EncodedMedia:
