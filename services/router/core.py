@@ -293,10 +293,12 @@ class Router:
             }
         )
         started_ns = getattr(root, "start_time", None) or time.time_ns()
+        first_token = True
         try:
             async for chunk, usage in self._run(request, state, deadline):
-                if chunk.token_ids and not state.streamed:
+                if chunk.token_ids and first_token:
                     root.set_attribute("epd.ttft_s", (time.time_ns() - started_ns) / 1e9)
+                    first_token = False
                 state.streamed = True
                 response = generate_pb2.GenerateResponse(request_id=state.request_id, chunk=chunk)
                 if usage is not None:

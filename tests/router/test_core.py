@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from libs.cache.keys import wire_content_hash
 from libs.contract.epd.v1 import (
@@ -30,6 +33,8 @@ from services.router.core import Backends, Router, RpcFailed
 from services.router.encoders import EncoderPool
 from services.router.pool import MemberPool
 from tests.contract import samples
+
+T = TypeVar("T")
 
 
 def _error(code: grpc.StatusCode, details: str = "boom") -> grpc.aio.AioRpcError:
@@ -359,6 +364,27 @@ def test_client_gone_mid_decode_cancels_the_decode_call() -> None:
     assert not finished.decode.calls[0].cancelled  # a stream read to its end is left alone
 
 
+def _traced(run: Callable[[], Awaitable[T]]) -> tuple[T, Mapping[str, Any]]:
+    """`run()` under a recording root span (as the Generate server span is); its attributes."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def under_root() -> T:
+        with provider.get_tracer("test").start_as_current_span("GenerateService/Generate"):
+            return await run()
+
+    result = asyncio.run(under_root())
+    (root,) = [span for span in exporter.get_finished_spans() if span.name == "GenerateService/Generate"]
+    return result, dict(root.attributes or {})
+
+
+def test_e_p_d_root_span_gets_the_time_to_first_token() -> None:
+    h = Harness()
+    tokens, root = _traced(lambda: h.tokens(_request(1)))
+    assert tokens == [7, 8, 9] and root["epd.ttft_s"] > 0
+
+
 def test_e_plus_pd_layout() -> None:
     seen: list[prefill_decode_pb2.PrefillDecodeRequest] = []
     calls: list[StreamCall] = []
@@ -384,7 +410,9 @@ def test_e_plus_pd_layout() -> None:
     async def run() -> list[int]:
         return [t async for r in router.generate(_request(1)) for t in r.chunk.token_ids]
 
-    assert asyncio.run(run()) == [5, 6]
+    tokens, root = _traced(run)
+    assert tokens == [5, 6]
+    assert root["epd.ttft_s"] > 0  # the time to first token reaches the request's root span
     assert seen[0].messages[0].parts[0].WhichOneof("kind") == "encoded"
     assert isinstance(seen[0].messages[0].parts[0].encoded, layout_pb2.EncodedMedia)
     assert not calls[0].cancelled
