@@ -409,6 +409,12 @@ class Router:
         compute = False  # an encoder had no entry for a CACHED_ONLY job: compute from then on
         check = self._backends.check_encoder
         drain = DrainWait(deadline)
+
+        def once_more_elsewhere() -> bool:
+            # One retry on a member not tried: counted among the members *now*, since the one
+            # that failed may have left them meanwhile (drained, exited, dropped from the list).
+            return len(tried) < 2 and self._encoders.untried(tried)
+
         while True:
             address = self._encoders.pick(exclude=tried, key=key)
             tried.add(address)
@@ -434,11 +440,11 @@ class Router:
                     span.set_attribute("epd.cache.policy", encoder_pb2.CachePolicy.Name(job.cache_policy))
                     reply = await self._backends.encoder(address).Encode(job, timeout=_remaining(deadline))
             except FailedPrecondition:
-                if len(tried) < self._encoders.size:
+                if self._encoders.untried(tried):
                     continue  # an incompatible encoder: try a compatible one
                 raise
             except Unavailable:
-                if len(tried) < 2 and len(tried) < self._encoders.size:
+                if once_more_elsewhere():
                     continue  # unreachable at first contact: one retry elsewhere, as for Encode
                 raise
             except grpc.aio.AioRpcError as exc:
@@ -451,7 +457,7 @@ class Router:
                     continue
                 if stopping(exc.code(), exc.details()):
                     self._encoders.draining(address)  # leaving: other encoders take its work
-                if exc.code() in _RETRYABLE_ENCODE and len(tried) < 2 and len(tried) < self._encoders.size:
+                if exc.code() in _RETRYABLE_ENCODE and once_more_elsewhere():
                     _log.warning("encoder failed; retrying elsewhere", encoder=address, code=exc.code().name)
                     continue
                 if await drain.again(exc):
@@ -479,7 +485,7 @@ class Router:
                     # Gone since it answered (killed, restarting): the embedding went with it, so
                     # this is an encode that failed, retried elsewhere like one.
                     await self._release_one(address, encoded.embeddings.lease_id)
-                    if len(tried) < 2 and len(tried) < self._encoders.size:
+                    if once_more_elsewhere():
                         _log.warning("encoder gone after answering; encoding elsewhere", encoder=address)
                         continue
                     raise

@@ -478,6 +478,30 @@ def test_encoder_gone_right_after_answering_is_an_encode_failure_retried_elsewhe
     assert h.leases.released == {dead: {f"{dead}/1"}}  # given up, best effort
 
 
+def test_encoder_dropped_from_membership_during_its_failing_call_is_retried_on_one_left() -> None:
+    """An encoder exited (drained) while still listed: a request's call to it fails "connection
+    refused" just as membership drops it, leaving one member. The one left, untried, takes the item
+    (a retry bounded by the pool's size *now* would give up: seen once in CI)."""
+    h = Harness()
+    gone: list[str] = []
+    for address, encoder in h.encoders.items():
+
+        async def leaving(
+            request: Any, timeout: float | None = None, address: str = address, real: Any = encoder.Encode
+        ) -> Any:
+            if not gone:  # the first encoder called has exited and leaves the members meanwhile
+                gone.append(address)
+                h.pool.update([a for a in h.encoders if a != address])
+                raise _error(grpc.StatusCode.UNAVAILABLE, f"failed to connect to {address}: Connection refused")
+            return await real(request, timeout)
+
+        encoder.Encode = leaving  # type: ignore[method-assign]
+    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    (dead,) = gone
+    (other,) = set(h.encoders) - {dead}
+    assert h.log == [(other, 0)] and h.pool.size == 1
+
+
 # How a stage going away for a restart answers: its admission refuses while it drains, then grpc
 # core cancels the calls still queued when the server stops (libs/rpc/retry.py).
 GOING_AWAY = {
