@@ -24,8 +24,9 @@ _PROMPTS = {
 
 @dataclass(frozen=True)
 class MixSpec:
+    # Shares: the kinds not named get none; with none named, every request is an image request.
     text: float = 0.0
-    image: float = 1.0
+    image: float = 0.0
     video: float = 0.0
     audio: float = 0.0
     images: int = 1
@@ -38,8 +39,10 @@ class MixSpec:
 
     def __post_init__(self) -> None:
         shares = [getattr(self, k) for k in KINDS]
-        if any(s < 0 for s in shares) or sum(shares) <= 0:
-            raise ValueError("mix shares must be >= 0 with a positive sum")
+        if any(s < 0 for s in shares):
+            raise ValueError("mix shares must be >= 0")
+        if not any(shares):
+            object.__setattr__(self, "image", 1.0)  # sizes only: the default image mix
         if self.images < 1 or self.max_tokens < 1 or not 0 <= self.repeat <= 1:
             raise ValueError("images and max_tokens must be >= 1 and repeat in [0, 1]")
 
@@ -47,16 +50,15 @@ class MixSpec:
     def parse(cls, text: str) -> MixSpec:
         """`key=value` pairs separated by commas; unknown keys are an error."""
         types = {f.name: f.type for f in fields(cls)}
-        values: dict[str, object] = {}
+        values: dict[str, float] = {}
         for pair in filter(None, (p.strip() for p in text.split(","))):
             key, sep, raw = pair.partition("=")
             if not sep or key.strip() not in types:
                 raise ValueError(f"bad mix entry {pair!r}; keys: {', '.join(types)}")
             key = key.strip()
             values[key] = int(raw) if types[key] in ("int", int) else float(raw)
-        if any(k in values for k in KINDS):  # shares given: the kinds not named get none
-            for k in KINDS:
-                values.setdefault(k, 0.0)
+        if any(k in values for k in KINDS) and sum(values.get(k, 0.0) for k in KINDS) <= 0:
+            raise ValueError("mix shares must have a positive sum")
         return cls(**values)  # type: ignore[arg-type]
 
     def shares(self) -> dict[str, float]:

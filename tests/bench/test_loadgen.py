@@ -38,6 +38,9 @@ def test_mix_spec_parses_and_normalises() -> None:
     assert (spec.images, spec.max_tokens) == (4, 8)
     assert MixSpec.parse("audio=1").shares()["audio"] == 1.0
     assert MixSpec.parse("images=2").shares()["image"] == 1.0  # sizes only: default image mix
+    # Built directly, the same rule: the kinds not named get none (P3's "text" plan was half images).
+    assert MixSpec(text=1, max_tokens=2).shares() == {"text": 1.0, "image": 0.0, "video": 0.0, "audio": 0.0}
+    assert MixSpec(audio=1).shares()["audio"] == 1.0 and MixSpec(images=2).shares()["image"] == 1.0
     for bad in ("text=0", "pixels=3", "image", "images=0", "text=-1,image=2"):
         with pytest.raises(ValueError):
             MixSpec.parse(bad)
