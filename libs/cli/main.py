@@ -3,6 +3,7 @@
 epd up --layout e/p/d --encoders 2           # start a stack on loopback; Ctrl-C stops it
 epd up --config deploy/stacks/e-p-d.yaml     # ... as a stack description says
 epd generate --image cat.png "What is this?"  # stream a reply from a running router
+epd transcribe speech.wav                     # a transcript from a running Whisper stack
 epd demo                                      # what `make run` does
 """
 
@@ -325,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     from libs.cli import deploy  # epd deploy render (Kubernetes manifests)
 
     deploy.add_parser(sub)
+
+    from libs.cli import transcribe  # epd transcribe (speech through a Whisper stack)
+
+    transcribe.add_parser(sub)
 
     from libs.cli import bench, plan  # load generation and capacity planning (libs/bench)
 

@@ -1,0 +1,94 @@
+"""Whisper tiny.en (trained weights) through a real E/P/D stack (router, encoder, prefill, decode,
+each its own process, contract 1.4 on the wire): the router transcribes each clip window by window
+(Encode -> Prefill -> Decode per 30 s window, the next window's start from the previous window's
+timestamps) and streams exactly the tokens of WhisperForConditionalGeneration.generate() fed by
+WhisperProcessor, greedy - for two short utterances and one long-form (two-window) one, sent
+concurrently."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from libs.client.transcribe import audio_item, transcription_request
+from libs.engine.checkpoints.generate import ensure_converted
+from libs.launch.stack import Stack, StackSpec
+from libs.serving.speech import SPEECH_TRANSCRIPTION
+from tests.engine.whisper_staged import load_reference, reference_tokens
+from tests.services.conftest import run_requests
+from tests.speech_corpus import UTTERANCES, utterance
+
+pytestmark = pytest.mark.slow
+
+NAMES = ["short", "twenty_seconds", "long_form"]
+
+
+@pytest.fixture(scope="module")
+def whisper_path() -> Path:
+    return ensure_converted()
+
+
+@pytest.fixture(scope="module")
+def whisper_stack(whisper_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    spec = StackSpec(layout="e/p/d", encoders=1, model=whisper_path, run_dir=tmp_path_factory.mktemp("whisper"))
+    stack = Stack(spec)
+    stack.up()
+    try:
+        yield stack
+    finally:
+        statuses = stack.down()
+        assert all(code == 0 for code in statuses.values()), f"unclean exit: {statuses}"
+
+
+@pytest.mark.timeout(600)
+def test_router_transcripts_equal_generate(whisper_path: Path, whisper_stack: Stack) -> None:
+    clips = {name: utterance(*UTTERANCES[name]) for name in NAMES}
+    requests = [transcription_request(audio_item(clips[n], item_id=n), request_id=n) for n in NAMES]
+    results = dict(zip(NAMES, run_requests(whisper_stack.address, requests, timeout_s=480.0), strict=True))
+    model, processor = load_reference(whisper_path)
+    for name in NAMES:
+        expected = reference_tokens(model, processor, clips[name])
+        got = results[name]
+        assert got.token_ids == expected, name
+        assert got.finish_reason == "FINISH_REASON_STOP"
+        assert got.completion_tokens == len(expected)
+    # The long-form clip's transcript went through two windows: it holds timestamp tokens.
+    begin = processor.tokenizer.convert_tokens_to_ids("<|notimestamps|>") + 1
+    assert any(t >= begin for t in results["long_form"].token_ids)
+    assert not any(t >= begin for t in results["short"].token_ids)
+
+
+def test_speech_services_advertise_transcription(whisper_stack: Stack) -> None:
+    import grpc
+
+    from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
+
+    for name in ("encoder-0", "prefill", "decode"):
+        with grpc.insecure_channel(whisper_stack.processes[name].address) as channel:
+            stub = service_info_pb2_grpc.ServiceInfoServiceStub(channel)
+            info = stub.GetServiceInfo(service_info_pb2.GetServiceInfoRequest(), timeout=10).info
+        assert SPEECH_TRANSCRIPTION in info.capabilities, name
+        assert (info.contract_version.major, info.contract_version.minor) == (1, 4)
+        if name == "prefill":
+            assert info.transcription.window_frames == 3000
+            assert info.transcription.timestamp_begin_token_id > info.transcription.end_of_text_token_id
+
+
+@pytest.mark.timeout(300)
+def test_epd_transcribe_prints_the_transcript(whisper_path: Path, whisper_stack: Stack, tmp_path: Path) -> None:
+    """`epd transcribe FILE --address ROUTER`, like `epd generate`: the streamed text on stdout (the
+    text of generate()'s tokens), a summary line on stderr, exit 0; a missing file exits 2."""
+    from tests.services.test_cli import _run
+
+    clip = tmp_path / "short.wav"
+    clip.write_bytes(utterance(*UTTERANCES["short"]))
+    done = _run(["transcribe", str(clip), "--address", whisper_stack.address], cwd=tmp_path, timeout_s=240)
+    assert done.returncode == 0, done.stderr
+    model, processor = load_reference(whisper_path)
+    expected = processor.tokenizer.decode(reference_tokens(model, processor, clip.read_bytes()))
+    assert done.stdout.strip() == expected.strip()
+    assert "FINISH_REASON_STOP" in done.stderr
+    missing = _run(["transcribe", str(tmp_path / "none.wav"), "--address", whisper_stack.address], tmp_path, 120)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
