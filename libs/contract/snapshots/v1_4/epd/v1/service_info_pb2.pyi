@@ -292,8 +292,8 @@ class ServiceInfo(_message.Message):
 
     @_builtins.property
     def transcription(self) -> Global___TranscriptionSpec:
-        """Set by prefill services (and routers in front of them) that serve a speech model transcribing
-        in windows (Whisper). Since contract 1.4.
+        """Set by prefill services that serve a speech model transcribing in windows (Whisper); a router
+        reads it to run the window loop. Since contract 1.4.
         """
 
     def __init__(
