@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from libs.client.transcribe import audio_item, transcription_request
+from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
 from libs.engine.checkpoints.generate import ensure_converted
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack, StackSpec
@@ -63,15 +65,18 @@ def test_router_transcripts_equal_generate(whisper_path: Path, whisper_stack: St
     assert not any(t >= begin for t in results["short"].token_ids)
 
 
+def _info(address: str) -> service_info_pb2.ServiceInfo:
+    with grpc.insecure_channel(address) as channel:
+        stub = service_info_pb2_grpc.ServiceInfoServiceStub(channel)
+        info: service_info_pb2.ServiceInfo = stub.GetServiceInfo(
+            service_info_pb2.GetServiceInfoRequest(), timeout=10
+        ).info
+        return info
+
+
 def test_speech_services_advertise_transcription(whisper_stack: Stack) -> None:
-    import grpc
-
-    from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
-
     for name in ("encoder-0", "prefill", "decode"):
-        with grpc.insecure_channel(whisper_stack.processes[name].address) as channel:
-            stub = service_info_pb2_grpc.ServiceInfoServiceStub(channel)
-            info = stub.GetServiceInfo(service_info_pb2.GetServiceInfoRequest(), timeout=10).info
+        info = _info(whisper_stack.processes[name].address)
         assert SPEECH_TRANSCRIPTION in info.capabilities, name
         assert (info.contract_version.major, info.contract_version.minor) == (1, 4)
         if name == "prefill":
@@ -120,6 +125,7 @@ def test_a_contract_1_3_router_passes_the_speech_fields(
         router.start()
         try:
             router.wait_ready(120)
+            assert _info(router.address).contract_version.minor == 3  # really the 1.3 release's router
             (result,) = run_requests(router.address, [transcription_request(audio_item(clip), request_id="old")])
         finally:
             assert router.stop() == 0, router.log_tail()
