@@ -66,6 +66,7 @@ test: deps models proto-check lint ## the whole suite (what CI runs)
 ENGINE ?= reference
 run: deps models ## the main job: E/P/D stack (2 encoders, shared encoder cache) on loopback, sample requests, timings, clean stop
 	$(BIN)/epd demo --layout $(if $(filter vllm,$(ENGINE)),e+pd,e/p/d) --engine $(ENGINE) --encoders 2 --cache-store
+	$(BIN)/epd speech-demo
 
 MODEL_DIR := var/models/qwen2_5_omni-tiny
 WHISPER_DIR := var/models/whisper-tiny.en

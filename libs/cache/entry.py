@@ -112,6 +112,8 @@ def _layout_from_json(raw: Any) -> ItemLayout:
             image=ImageLayout(**image) if image is not None else None,
             video=video,
             audio=AudioLayout(**audio) if audio is not None else None,
+            # Entries written before encoder-decoder items existed have no such key.
+            cross_attention_rows=int(raw.get("cross_attention_rows", 0)),
         )
         layout.check()
     except Exception as exc:  # any malformed layout is the same fault
@@ -222,8 +224,8 @@ def _check_spec(layout: ItemLayout, tensors: dict[str, torch.Tensor], spec: Embe
     emb = tensors.get("embeddings")
     if emb is None or emb.dim() != 2:
         raise EntryError(EntryFault.SPEC_MISMATCH, "no 2-D embeddings tensor")
-    if emb.shape[0] != layout.placeholder_token_count:
-        raise EntryError(EntryFault.SPEC_MISMATCH, f"{emb.shape[0]} rows, layout says {layout.placeholder_token_count}")
+    if emb.shape[0] != layout.rows:
+        raise EntryError(EntryFault.SPEC_MISMATCH, f"{emb.shape[0]} rows, layout says {layout.rows}")
     if spec is None:
         return
     if spec.modality != layout.modality:

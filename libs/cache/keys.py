@@ -89,6 +89,8 @@ def wire_content_hash(item: media_pb2.MediaItem, data: bytes) -> str:
     to find an item in the store before any encoder sees it)."""
     opts = item.processor_options
     options: dict[str, object] = {name: getattr(opts, name) if opts.HasField(name) else None for name in OPTION_FIELDS}
+    if opts.audio_window_start_frame:  # contract 1.4: a later window of a long clip is its own item,
+        options["audio_window_start_frame"] = opts.audio_window_start_frame  # as the engine hashes it
     modality = media_pb2.Modality.Name(item.modality).removeprefix("MODALITY_").lower()
     return _digest(modality, options, data)
 

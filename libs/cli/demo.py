@@ -80,11 +80,11 @@ def run_demo(spec: StackSpec, trace_file: Path | None = None) -> int:
         statuses = stack.down()  # services flush their spans on the way out
         print(f"\nstopped: {statuses}; logs in {spec.run_dir}", flush=True)
     if trace_file is not None and trace_file.exists():
-        _report(trace_file)
+        report_traces(trace_file)
     return 1 if failures else 0
 
 
-def _report(trace_file: Path) -> None:
+def report_traces(trace_file: Path) -> None:
     from libs.telemetry.report import breakdowns, render_text
     from libs.telemetry.spans import by_trace, load_jsonl
     from libs.telemetry.waterfall import render

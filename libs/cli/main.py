@@ -3,7 +3,9 @@
 epd up --layout e/p/d --encoders 2           # start a stack on loopback; Ctrl-C stops it
 epd up --config deploy/stacks/e-p-d.yaml     # ... as a stack description says
 epd generate --image cat.png "What is this?"  # stream a reply from a running router
+epd transcribe speech.wav                     # a transcript from a running Whisper stack
 epd demo                                      # what `make run` does
+epd speech-demo                               # ... and then this (Whisper E/P/D)
 """
 
 from __future__ import annotations
@@ -325,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     from libs.cli import deploy  # epd deploy render (Kubernetes manifests)
 
     deploy.add_parser(sub)
+
+    from libs.cli import speech_demo, transcribe  # speech through a Whisper stack
+
+    transcribe.add_parser(sub)
+    speech_demo.add_parser(sub)
 
     from libs.cli import bench, plan  # load generation and capacity planning (libs/bench)
 

@@ -42,7 +42,7 @@ DTYPE_SIZES: dict[int, int] = {
 }
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]+$")
-_KV_TENSOR_NAME = re.compile(r"^layers\.(\d+)\.(key|value)$")
+_KV_TENSOR_NAME = re.compile(r"^layers\.(\d+)\.(key|value|cross_key|cross_value)$")
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,8 @@ def validate_processor_options(opts: media_pb2.ProcessorOptions, path: str, limi
             f"{path}.video_max_frames",
             f"must be in [1, {limits.max_video_frames}] frames, got {opts.video_max_frames}",
         )
+    if opts.audio_window_start_frame < 0:  # contract 1.4
+        raise _fail(f"{path}.audio_window_start_frame", f"must be >= 0 frames, got {opts.audio_window_start_frame}")
 
 
 def validate_media_item(item: media_pb2.MediaItem, path: str, limits: Limits) -> None:
@@ -243,11 +245,7 @@ def validate_item_layout(layout: layout_pb2.ItemLayout, path: str, limits: Limit
     _require_enum(layout.modality, f"{path}.modality", "MODALITY", media_pb2.Modality.values())
     if not layout.mm_hash:
         raise _fail(f"{path}.mm_hash", "must not be empty")
-    if not 0 < layout.placeholder_token_count <= limits.max_placeholder_tokens:
-        raise _fail(
-            f"{path}.placeholder_token_count",
-            f"must be in [1, {limits.max_placeholder_tokens}] tokens, got {layout.placeholder_token_count}",
-        )
+    _check_rows(layout, path, limits)
     arm = layout.WhichOneof("detail")
     expected = _LAYOUT_ARM[layout.modality]
     if arm != expected:
@@ -272,11 +270,49 @@ def validate_item_layout(layout: layout_pb2.ItemLayout, path: str, limits: Limit
         audio = layout.audio
         if audio.feature_length <= 0:
             raise _fail(f"{path}.audio.feature_length", f"must be > 0 frames, got {audio.feature_length}")
-        if audio.output_length != layout.placeholder_token_count:
+        if audio.output_length != _rows(layout):
             raise _fail(
                 f"{path}.audio.output_length",
-                f"{audio.output_length} tokens does not match placeholder_token_count {layout.placeholder_token_count}",
+                f"{audio.output_length} tokens does not match placeholder_token_count {layout.placeholder_token_count}"
+                f" / cross_attention_rows {layout.cross_attention_rows}",
             )
+        _check_audio_window(audio, f"{path}.audio")
+
+
+def _rows(layout: layout_pb2.ItemLayout) -> int:
+    """Rows of the item's "embeddings" tensor: encoder states (encoder-decoder) or prompt embeddings."""
+    return layout.cross_attention_rows or layout.placeholder_token_count
+
+
+def _check_rows(layout: layout_pb2.ItemLayout, path: str, limits: Limits) -> None:
+    """An item takes prompt positions, or (contract 1.4, encoder-decoder models) is cross-attended
+    to; never both."""
+    if layout.cross_attention_rows:
+        if not 0 < layout.cross_attention_rows <= limits.max_placeholder_tokens:
+            raise _fail(
+                f"{path}.cross_attention_rows",
+                f"must be in [1, {limits.max_placeholder_tokens}] rows, got {layout.cross_attention_rows}",
+            )
+        if layout.placeholder_token_count:
+            raise _fail(f"{path}.placeholder_token_count", "must be 0 with cross_attention_rows")
+        return
+    if not 0 < layout.placeholder_token_count <= limits.max_placeholder_tokens:
+        raise _fail(
+            f"{path}.placeholder_token_count",
+            f"must be in [1, {limits.max_placeholder_tokens}] tokens, got {layout.placeholder_token_count}",
+        )
+
+
+def _check_audio_window(audio: layout_pb2.AudioLayout, path: str) -> None:
+    """Contract 1.4: a window lies inside its clip (all 0: the tower took the whole clip)."""
+    for name in ("window_start_frame", "window_frames", "clip_frames"):
+        if getattr(audio, name) < 0:
+            raise _fail(f"{path}.{name}", f"must be >= 0 frames, got {getattr(audio, name)}")
+    if audio.clip_frames and audio.window_start_frame + audio.window_frames > audio.clip_frames:
+        raise _fail(
+            f"{path}.window_frames",
+            f"window [{audio.window_start_frame}, +{audio.window_frames}) ends past clip_frames {audio.clip_frames}",
+        )
 
 
 def validate_encoded_media(item: layout_pb2.EncodedMedia, path: str, limits: Limits) -> None:
@@ -287,13 +323,13 @@ def validate_encoded_media(item: layout_pb2.EncodedMedia, path: str, limits: Lim
     if not item.HasField("embeddings"):
         raise _fail(f"{path}.embeddings", "is required")
     validate_tensor_handle(item.embeddings, f"{path}.embeddings", limits)
+    rows_field = "cross_attention_rows" if item.layout.cross_attention_rows else "placeholder_token_count"
     for i, desc in enumerate(item.embeddings.tensors):
         shape = list(desc.spec.shape)
-        if desc.name == "embeddings" and (len(shape) != 2 or shape[0] != item.layout.placeholder_token_count):
+        if desc.name == "embeddings" and (len(shape) != 2 or shape[0] != _rows(item.layout)):
             raise _fail(
                 f"{path}.embeddings.tensors[{i}].spec.shape",
-                f"{shape} does not match [placeholder_token_count, width] with "
-                f"placeholder_token_count={item.layout.placeholder_token_count}",
+                f"{shape} does not match [{rows_field}, width] with {rows_field}={_rows(item.layout)}",
             )
     if "embeddings" not in {d.name for d in item.embeddings.tensors}:
         raise _fail(f"{path}.embeddings.tensors", "needs a tensor named 'embeddings'")
@@ -392,17 +428,23 @@ def validate_kv_cache(kv: prefill_pb2.KvCache, path: str, limits: Limits) -> Non
     if not kv.HasField("handle"):
         raise _fail(f"{path}.handle", "is required (or paged)")
     validate_tensor_handle(kv.handle, f"{path}.handle", limits)
-    if len(kv.handle.tensors) != 2 * layout.num_layers:
+    if layout.cross_tokens < 0:
+        raise _fail(f"{path}.layout.cross_tokens", f"must be >= 0 tokens, got {layout.cross_tokens}")
+    # Contract 1.4: encoder-decoder caches carry a cross-attention key and value per layer too.
+    per_layer = 4 if layout.cross_tokens else 2
+    if len(kv.handle.tensors) != per_layer * layout.num_layers:
         raise _fail(
             f"{path}.handle.tensors",
-            f"has {len(kv.handle.tensors)} tensors; 2 * num_layers is {2 * layout.num_layers}",
+            f"has {len(kv.handle.tensors)} tensors; {per_layer} * num_layers is {per_layer * layout.num_layers}",
         )
-    want_shape = [layout.num_kv_heads, layout.num_tokens, layout.head_dim]
     for i, desc in enumerate(kv.handle.tensors):
         tpath = f"{path}.handle.tensors[{i}]"
         match = _KV_TENSOR_NAME.match(desc.name)
-        if match is None or int(match.group(1)) >= layout.num_layers:
+        cross = match is not None and match.group(2).startswith("cross_")
+        if match is None or int(match.group(1)) >= layout.num_layers or (cross and not layout.cross_tokens):
             raise _fail(f"{tpath}.name", f"{desc.name!r} is not layers.<i>.key|value with i < num_layers")
+        tokens = layout.cross_tokens if cross else layout.num_tokens
+        want_shape = [layout.num_kv_heads, tokens, layout.head_dim]
         if list(desc.spec.shape) != want_shape:
             raise _fail(f"{tpath}.spec.shape", f"{list(desc.spec.shape)} != {want_shape}")
         if desc.spec.dtype != layout.dtype:

@@ -73,6 +73,7 @@ def media_input(item: media_pb2.MediaItem, item_index: int, data: bytes) -> eng.
             video_fps=opts.video_fps if opts.HasField("video_fps") else None,
             video_max_frames=opts.video_max_frames if opts.HasField("video_max_frames") else None,
         ),
+        audio_window_start_frame=opts.audio_window_start_frame,
     )
 
 
@@ -82,6 +83,7 @@ def item_layout_to_wire(layout: eng.ItemLayout) -> layout_pb2.ItemLayout:
         item_index=layout.item_index,
         mm_hash=layout.mm_hash,
         placeholder_token_count=layout.placeholder_token_count,
+        cross_attention_rows=layout.cross_attention_rows,
     )
     if layout.image is not None:
         out.image.CopyFrom(
@@ -103,7 +105,12 @@ def item_layout_to_wire(layout: eng.ItemLayout) -> layout_pb2.ItemLayout:
         a = layout.audio
         out.audio.CopyFrom(
             layout_pb2.AudioLayout(
-                feature_length=a.feature_length, output_length=a.output_length, duration_s=a.duration_s
+                feature_length=a.feature_length,
+                output_length=a.output_length,
+                duration_s=a.duration_s,
+                window_start_frame=a.window_start_frame,
+                window_frames=a.window_frames,
+                clip_frames=a.clip_frames,
             )
         )
     return out
@@ -120,7 +127,10 @@ def item_layout_to_engine(layout: layout_pb2.ItemLayout) -> eng.ItemLayout:
             v.grid_t, v.grid_h, v.grid_w, v.seconds_per_grid, tuple(v.grid_timestamps_s), v.sampled_frames
         )
     elif arm == "audio":
-        audio = eng.AudioLayout(layout.audio.feature_length, layout.audio.output_length, layout.audio.duration_s)
+        a = layout.audio
+        audio = eng.AudioLayout(
+            a.feature_length, a.output_length, a.duration_s, a.window_start_frame, a.window_frames, a.clip_frames
+        )
     return eng.ItemLayout(
         modality=MODALITY_TO_ENGINE[layout.modality],
         item_index=layout.item_index,
@@ -129,6 +139,7 @@ def item_layout_to_engine(layout: layout_pb2.ItemLayout) -> eng.ItemLayout:
         image=image,
         video=video,
         audio=audio,
+        cross_attention_rows=layout.cross_attention_rows,
     )
 
 
@@ -153,6 +164,7 @@ def sampling_to_engine(params: sampling_pb2.SamplingParams) -> eng.SamplingParam
         max_tokens=params.max_tokens,
         stop=tuple(params.stop),
         stop_token_ids=tuple(params.stop_token_ids),
+        timestamps=params.timestamps,
     )
 
 
@@ -169,6 +181,7 @@ def kv_layout_to_wire(layout: eng.KvCacheLayout) -> prefill_pb2.KvCacheLayout:
         head_dim=layout.head_dim,
         num_tokens=layout.num_tokens,
         dtype=DTYPE_TO_WIRE[layout.dtype],
+        cross_tokens=layout.cross_tokens,
     )
 
 
@@ -179,6 +192,7 @@ def kv_layout_to_engine(layout: prefill_pb2.KvCacheLayout) -> eng.KvCacheLayout:
         head_dim=layout.head_dim,
         num_tokens=layout.num_tokens,
         dtype=DTYPE_TO_ENGINE[layout.dtype],
+        cross_tokens=layout.cross_tokens,
     )
 
 

@@ -53,7 +53,7 @@ async def fetch_encoded(
         return FetchedItems([])
     assert transport.consumer is not None
     layouts = [convert.item_layout_to_engine(p.encoded.layout) for p in parts]
-    expected = [_expectation(specs[layout.modality], layout.placeholder_token_count) for layout in layouts]
+    expected = [_expectation(specs[layout.modality], layout.rows) for layout in layouts]
     timeout = None
     if deadline is not None:
         timeout = deadline - time.monotonic()

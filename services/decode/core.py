@@ -12,7 +12,7 @@ from libs.contract.epd.v1 import decode_pb2
 from libs.contract.errors import DeadlineExceeded
 from libs.contract.validation import Limits, validate_decode_request
 from libs.engine import types as eng
-from libs.engine.kv import kv_names
+from libs.engine.kv import cross_kv_names, kv_names
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.serving import convert
 from libs.serving.engine_loop import DecodeLoop
@@ -49,6 +49,10 @@ class DecodeCore:
         shape = (layout.num_kv_heads, layout.num_tokens, layout.head_dim)
         dtype = request.kv_cache.layout.dtype
         expected = {name: ExpectedTensor(dtype, shape) for i in range(layout.num_layers) for name in kv_names(i)}
+        if layout.cross_tokens:  # encoder-decoder (contract 1.4): each layer's cross-attention KV too
+            cross_shape = (layout.num_kv_heads, layout.cross_tokens, layout.head_dim)
+            for i in range(layout.num_layers):
+                expected.update((name, ExpectedTensor(dtype, cross_shape)) for name in cross_kv_names(i))
         timeout = None
         if deadline is not None:
             timeout = deadline - time.monotonic()

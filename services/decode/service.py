@@ -69,6 +69,7 @@ async def setup(settings: DecodeSettings) -> ServiceParts:
         return await _vllm_setup(settings)
     from libs.engine.decode_runner import DecodeRunner
     from libs.engine.lm_runtime import LanguageModelRuntime
+    from libs.serving.speech import speech_capabilities
 
     torch.set_num_threads(settings.torch_threads)
     runtime = LanguageModelRuntime(settings.model)
@@ -82,7 +83,13 @@ async def setup(settings: DecodeSettings) -> ServiceParts:
     return model_service_parts(
         (decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, "epd.v1.DecodeService"),
         admission=admission,
-        info=service_info(service_info_pb2.SERVICE_ROLE_DECODE, identity, (), transport.transport_info()),
+        info=service_info(
+            service_info_pb2.SERVICE_ROLE_DECODE,
+            identity,
+            (),
+            transport.transport_info(),
+            capabilities=(ADMISSION_PRIORITY, *speech_capabilities(runtime.adapter)),
+        ),
         engine=engine,
         transport=transport,
         active_sequences=lambda: loop.active,

@@ -22,6 +22,7 @@ from libs.serving.engine_loop import EngineThread
 from libs.serving.identity import model_identity, service_info
 from libs.serving.parts import model_service_parts
 from libs.serving.settings import ModelServiceSettings
+from libs.serving.speech import speech_capabilities
 from libs.serving.transport import Transport, transfer_config
 from services.encoder.core import EncoderCore
 
@@ -65,7 +66,11 @@ async def setup(settings: EncoderSettings) -> ServiceParts:
         identity,
         runner.specs.values(),
         transport.transport_info(),
-        capabilities=(ADMISSION_PRIORITY, CACHED_ONLY) if cache is not None else (ADMISSION_PRIORITY,),
+        capabilities=(
+            ADMISSION_PRIORITY,
+            *((CACHED_ONLY,) if cache is not None else ()),
+            *speech_capabilities(runner.adapter),
+        ),
     )
     if cache is not None:
         info.encoder_cache.CopyFrom(

@@ -72,6 +72,7 @@ async def setup(settings: PrefillSettings) -> ServiceParts:
         return await _vllm_setup(settings)
     from libs.engine.lm_runtime import LanguageModelRuntime
     from libs.engine.prefill_runner import PrefillRunner
+    from libs.serving.speech import speech_capabilities, transcription_spec
 
     torch.set_num_threads(settings.torch_threads)
     runtime = LanguageModelRuntime(settings.model)
@@ -81,12 +82,19 @@ async def setup(settings: PrefillSettings) -> ServiceParts:
     admission = Admission("prefill", settings.max_running, settings.max_waiting)
     core = PrefillCore(PrefillRunner(runtime), transport, engine, accept_raw_media=settings.accept_raw_media)
     servicer = PrefillServicer(core, admission)
+    info = service_info(
+        service_info_pb2.SERVICE_ROLE_PREFILL,
+        identity,
+        runtime.expected_specs(),
+        transport.transport_info(),
+        capabilities=(ADMISSION_PRIORITY, *speech_capabilities(runtime.adapter)),
+    )
+    if (spec := transcription_spec(runtime.adapter)) is not None:
+        info.transcription.CopyFrom(spec)
     return model_service_parts(
         (prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer, "epd.v1.PrefillService"),
         admission=admission,
-        info=service_info(
-            service_info_pb2.SERVICE_ROLE_PREFILL, identity, runtime.expected_specs(), transport.transport_info()
-        ),
+        info=info,
         engine=engine,
         transport=transport,
     )

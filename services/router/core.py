@@ -53,6 +53,7 @@ from libs.telemetry.stages import ATTRIBUTION, calls_under, phase, start_phase
 from services.router.cache_lookup import CacheLookup, item_hash
 from services.router.encoders import EncoderPool
 from services.router.pool import MemberPool
+from services.router.transcribe import speech_item, transcribe
 
 _log = structlog.get_logger(__name__)
 
@@ -317,8 +318,16 @@ class Router:
     async def _run(
         self, request: generate_pb2.GenerateRequest, state: RequestState, deadline: float | None
     ) -> AsyncIterator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]]:
-        if self._backends.check_backends is not None:
-            await self._backends.check_backends()
+        backend = await self._backends.check_backends() if self._backends.check_backends is not None else None
+        audio = speech_item(request)
+        if (
+            audio is not None
+            and isinstance(backend, service_info_pb2.ServiceInfo)
+            and backend.HasField("transcription")
+        ):
+            async for reply in transcribe(self, request, audio, backend.transcription, state, deadline):
+                yield reply
+            return
         reencoded = recomputed = False
         first: generation_pb2.TokenChunk | None = None  # prefill's chunk, once streamed
         while True:
@@ -673,6 +682,30 @@ class Router:
             if call is not None:
                 call.cancel()  # as for PD: a consumer gone mid-stream must stop decode (no-op when done)
             span.end()
+
+    # ---- what a transcription (services/router/transcribe.py) runs per window ----
+    async def encode_item(
+        self, state: RequestState, part: chat_pb2.ContentPart, deadline: float | None
+    ) -> layout_pb2.EncodedMedia:
+        """Encode one media part (item 0 of its request), its embedding held by `state`."""
+        with phase("epd.encode", **{"epd.items": 1}):
+            encoded = await self._encode_one(state, 0, part, deadline)
+        state.hold(encoded.embeddings)
+        return encoded
+
+    def prefill_and_decode(
+        self, request: generate_pb2.GenerateRequest, state: RequestState, deadline: float | None
+    ) -> AsyncIterator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]]:
+        """Prefill and decode a request whose media parts are all encoded."""
+        return self._prefill_and_decode(list(request.messages), request, state, deadline)
+
+    @staticmethod
+    def embedding_gone(exc: BaseException) -> bool:
+        """Whether prefill failed because an embedding it should read was gone (encode again)."""
+        return isinstance(exc, RpcFailed) and exc.stage == "prefill" and exc.code in _EMBEDDING_GONE
+
+    async def release_all(self, state: RequestState) -> None:
+        await self._release_all(state)
 
     async def _release_one(self, address: str, lease_id: str) -> None:
         held = RequestState("")

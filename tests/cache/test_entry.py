@@ -53,6 +53,22 @@ def test_round_trip_every_modality(modality: Modality, dtype: torch.dtype) -> No
     decoded.tensors["embeddings"].add_(0)
 
 
+def test_round_trip_of_a_speech_window() -> None:
+    """Contract 1.4: a Whisper window (encoder states cross-attended to, no placeholder tokens,
+    window frames) comes back as written; an entry written before these fields reads as 0."""
+    key, entry = make_entry(b"speech", Modality.AUDIO, rows=6)
+    audio = dataclasses.replace(entry.layout.audio, window_start_frame=2948, window_frames=1202, clip_frames=4150)
+    entry = dataclasses.replace(
+        entry, layout=dataclasses.replace(entry.layout, audio=audio, placeholder_token_count=0, cross_attention_rows=6)
+    )
+    decoded = decode(encode(entry), key=key, specs=specs_for("float32"))
+    assert decoded.layout == entry.layout
+    _, plain = make_entry(b"media", Modality.AUDIO)
+    _, header, payload = split(encode(plain))
+    del header["layout"]["cross_attention_rows"]
+    assert decode(reframe(header, payload), key=CacheKey(NS, plain.layout.mm_hash)).layout == plain.layout
+
+
 def test_to_item_rewrites_only_the_item_index() -> None:
     _, entry = make_entry()
     item = entry.to_item(3)

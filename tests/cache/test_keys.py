@@ -31,11 +31,17 @@ def test_the_routers_wire_hash_is_the_encoders_hash() -> None:
         media_pb2.ProcessorOptions(),
         media_pb2.ProcessorOptions(min_pixels=3136, max_pixels=256 * 28 * 28),
         media_pb2.ProcessorOptions(video_fps=1.5, video_max_frames=8),
+        media_pb2.ProcessorOptions(audio_window_start_frame=0),  # the first window: as if unset
+        media_pb2.ProcessorOptions(audio_window_start_frame=2948),  # contract 1.4: a later window
     ]
     for modality in (media_pb2.MODALITY_IMAGE, media_pb2.MODALITY_VIDEO, media_pb2.MODALITY_AUDIO):
         for options in option_sets:
             item = media_pb2.MediaItem(modality=modality, data=b"\x00bytes\xff", processor_options=options)
             assert wire_content_hash(item, item.data) == media_hash(media_input(item, 0, item.data))
+    audio = media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=b"pcm")
+    later = media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=b"pcm")
+    later.processor_options.audio_window_start_frame = 2948
+    assert wire_content_hash(audio, b"pcm") != wire_content_hash(later, b"pcm")  # windows never share an entry
 
 
 def test_options_and_modality_change_the_hash() -> None:

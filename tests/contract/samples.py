@@ -243,6 +243,74 @@ def paged_decode_request() -> decode_pb2.DecodeRequest:
     return request
 
 
+def encoded_speech_window() -> layout_pb2.EncodedMedia:
+    """Since 1.4: one Whisper window (the second of a 41.5 s clip): encoder states the decoder
+    cross-attends to, no prompt positions."""
+    return layout_pb2.EncodedMedia(
+        layout=layout_pb2.ItemLayout(
+            modality=media_pb2.MODALITY_AUDIO,
+            item_index=0,
+            mm_hash="ef" * 32,
+            audio=layout_pb2.AudioLayout(
+                feature_length=3000,
+                output_length=6,
+                duration_s=41.5,
+                window_start_frame=2948,
+                window_frames=1202,
+                clip_frames=4150,
+            ),
+            cross_attention_rows=6,
+        ),
+        embeddings=nixl_handle(rows=6),
+    )
+
+
+def speech_prefill_request() -> prefill_pb2.PrefillRequest:
+    """Since 1.4: prefill of one Whisper window, with timestamps."""
+    request = prefill_request()
+    del request.messages[:]
+    request.messages.append(
+        chat_pb2.ChatMessage(
+            role=chat_pb2.CHAT_ROLE_USER, parts=[chat_pb2.ContentPart(encoded=encoded_speech_window())]
+        )
+    )
+    request.sampling.timestamps = True
+    return request
+
+
+def speech_encode_request() -> encoder_pb2.EncodeRequest:
+    """Since 1.4: encode the window of a long clip that starts at frame 2948."""
+    item = media(media_pb2.MODALITY_AUDIO)
+    item.processor_options.Clear()
+    item.processor_options.audio_window_start_frame = 2948
+    return encoder_pb2.EncodeRequest(
+        request_id="req-1",
+        items=[encoder_pb2.EncodeItem(item_index=0, media=item)],
+        accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+    )
+
+
+def cross_attention_kv_cache(cross_tokens: int = 6) -> prefill_pb2.KvCache:
+    """Since 1.4: an encoder-decoder cache: self- and cross-attention key and value per layer."""
+    kv = kv_cache(tokens=10)
+    kv.layout.cross_tokens = cross_tokens
+    for source in list(kv.handle.tensors):
+        cross = kv.handle.tensors.add()
+        cross.CopyFrom(source)
+        cross.name = source.name.replace(".key", ".cross_key").replace(".value", ".cross_value")
+        cross.spec.nbytes = cross.regions[0].length = source.spec.nbytes // source.spec.shape[1] * cross_tokens
+        cross.spec.shape[1] = cross_tokens
+        cross.regions[0].address += 0x100000
+    return kv
+
+
+def speech_decode_request() -> decode_pb2.DecodeRequest:
+    request = decode_request()
+    request.kv_cache.CopyFrom(cross_attention_kv_cache())
+    request.sampling.timestamps = True
+    return request
+
+
 def release_leases_request() -> lease_pb2.ReleaseLeasesRequest:
     return lease_pb2.ReleaseLeasesRequest(lease_ids=["lease-0", "lease-1"], reason=lease_pb2.RELEASE_REASON_ABANDONED)
 

@@ -23,6 +23,9 @@ VALIDATORS: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
     "PrefillDecodeRequest": (samples.prefill_decode_request, v.validate_prefill_decode_request),
     "DecodeRequest": (samples.decode_request, v.validate_decode_request),
     "PagedDecodeRequest": (samples.paged_decode_request, v.validate_decode_request),
+    "SpeechEncodeRequest": (samples.speech_encode_request, v.validate_encode_request),
+    "SpeechPrefillRequest": (samples.speech_prefill_request, v.validate_prefill_request),
+    "SpeechDecodeRequest": (samples.speech_decode_request, v.validate_decode_request),
     "ReleaseLeasesRequest": (samples.release_leases_request, v.validate_release_leases_request),
     "GetServiceInfoRequest": (samples.get_service_info_request, v.validate_get_service_info_request),
 }
@@ -286,6 +289,39 @@ BAD = [
         _set("decode_state.engine_prompt.items.0.mm_hash", ""),
         "decode_state.engine_prompt.items[0].mm_hash",
         "empty",
+    ),
+    # Encoder-decoder speech (contract 1.4)
+    Bad(
+        "SpeechEncodeRequest",
+        _set("items.0.media.processor_options.audio_window_start_frame", -1),
+        "items[0].media.processor_options.audio_window_start_frame",
+        ">= 0",
+    ),
+    Bad(
+        "SpeechPrefillRequest",
+        _set("messages.0.parts.0.encoded.layout.placeholder_token_count", 6),
+        "messages[0].parts[0].encoded.layout.placeholder_token_count",
+        "must be 0 with cross_attention_rows",
+    ),
+    Bad(
+        "SpeechPrefillRequest",
+        _set("messages.0.parts.0.encoded.layout.cross_attention_rows", 7),
+        "messages[0].parts[0].encoded.layout.audio.output_length",
+        "cross_attention_rows 7",
+    ),
+    Bad(
+        "SpeechPrefillRequest",
+        _set("messages.0.parts.0.encoded.layout.audio.window_frames", 3000),
+        "messages[0].parts[0].encoded.layout.audio.window_frames",
+        "ends past clip_frames",
+    ),
+    Bad("SpeechDecodeRequest", _set("kv_cache.layout.cross_tokens", 7), "kv_cache.handle.tensors[4].spec.shape", "!="),
+    Bad("SpeechDecodeRequest", _set("kv_cache.layout.cross_tokens", 0), "kv_cache.handle.tensors", "2 * num_layers"),
+    Bad(
+        "DecodeRequest",
+        lambda r: setattr(r.kv_cache.handle.tensors[0], "name", "layers.0.cross_key"),
+        "kv_cache.handle.tensors[0].name",
+        "not layers",
     ),
     # ReleaseLeasesRequest
     Bad("ReleaseLeasesRequest", _set("reason", 0), "reason", "RELEASE_REASON_UNSPECIFIED"),

@@ -94,6 +94,9 @@ _CURRENT_REQUESTS = [
     samples.prefill_decode_request,
     samples.decode_request,
     samples.paged_decode_request,
+    samples.speech_encode_request,
+    samples.speech_prefill_request,
+    samples.speech_decode_request,
     samples.release_leases_request,
     samples.get_service_info_request,
 ]

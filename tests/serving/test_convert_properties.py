@@ -44,8 +44,14 @@ def engine_layouts(draw: st.DrawFn) -> eng.ItemLayout:
         grid_t = draw(st.integers(min_value=1, max_value=16))
         stamps = tuple(sorted(draw(st.lists(_SECONDS, min_size=grid_t, max_size=grid_t))))
         video = eng.VideoLayout(grid_t, draw(_POS), draw(_POS), draw(_SECONDS), stamps, draw(_U31))
-    else:
+    elif draw(st.booleans()):
         audio = eng.AudioLayout(draw(_POS), count, draw(_SECONDS))
+    else:  # contract 1.4: one window of an encoder-decoder speech model, cross-attended to
+        clip = draw(_POS)
+        start = draw(st.integers(min_value=0, max_value=clip - 1))
+        frames = draw(st.integers(min_value=1, max_value=clip - start))
+        audio = eng.AudioLayout(draw(_POS), count, draw(_SECONDS), start, frames, clip)
+        return eng.ItemLayout(modality, draw(_U31), draw(_HASH), 0, audio=audio, cross_attention_rows=count)
     return eng.ItemLayout(modality, draw(_U31), draw(_HASH), count, image=image, video=video, audio=audio)
 
 
@@ -68,6 +74,7 @@ def wire_layouts(draw: st.DrawFn) -> layout_pb2.ItemLayout:
         item_index=draw(_U31),
         mm_hash=draw(st.text(max_size=8)),
         placeholder_token_count=draw(st.integers(min_value=-2, max_value=70000)),
+        cross_attention_rows=draw(st.sampled_from([0, 0, -1, 1, 1500, 70000])),
     )
     floats = st.floats(allow_nan=True, allow_infinity=True, width=64)
     arm = draw(st.sampled_from(["none", "image", "video", "audio"]))
@@ -87,7 +94,14 @@ def wire_layouts(draw: st.DrawFn) -> layout_pb2.ItemLayout:
         )
     elif arm == "audio":
         layout.audio.CopyFrom(
-            layout_pb2.AudioLayout(feature_length=draw(ints), output_length=draw(ints), duration_s=draw(floats))
+            layout_pb2.AudioLayout(
+                feature_length=draw(ints),
+                output_length=draw(ints),
+                duration_s=draw(floats),
+                window_start_frame=draw(ints),
+                window_frames=draw(ints),
+                clip_frames=draw(ints),
+            )
         )
     return layout
 
@@ -111,6 +125,7 @@ def test_what_the_validator_accepts_the_engine_accepts(layout: layout_pb2.ItemLa
         head_dim=_POS,
         num_tokens=_U31,
         dtype=st.sampled_from(sorted(convert.DTYPE_TO_WIRE)),
+        cross_tokens=_U31,
     )
 )
 def test_kv_layout_round_trips(layout: eng.KvCacheLayout) -> None:
@@ -145,6 +160,7 @@ def _f32(value: float) -> float:
     max_tokens=st.integers(min_value=0, max_value=DEFAULT_LIMITS.max_tokens),
     stop=st.lists(st.text(min_size=1, max_size=8), max_size=4),
     stop_token_ids=st.lists(_U31, max_size=4),
+    timestamps=st.booleans(),
 )
 def test_valid_sampling_maps_field_for_field(
     temperature: float,
@@ -154,9 +170,15 @@ def test_valid_sampling_maps_field_for_field(
     max_tokens: int,
     stop: list[str],
     stop_token_ids: list[int],
+    timestamps: bool,
 ) -> None:
     wire = sampling_pb2.SamplingParams(
-        temperature=temperature, top_k=top_k, max_tokens=max_tokens, stop=stop, stop_token_ids=stop_token_ids
+        temperature=temperature,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        timestamps=timestamps,
     )
     if top_p is not None:
         wire.top_p = top_p
@@ -169,6 +191,7 @@ def test_valid_sampling_maps_field_for_field(
     assert math.isfinite(params.temperature) and 0 < params.top_p <= 1
     assert (params.top_k, params.seed, params.max_tokens) == (top_k, seed, max_tokens)
     assert (params.stop, params.stop_token_ids) == (tuple(stop), tuple(stop_token_ids))
+    assert params.timestamps is timestamps
 
 
 @given(st.lists(st.one_of(st.text(max_size=10), st.none()), min_size=1, max_size=8), engine_layouts())

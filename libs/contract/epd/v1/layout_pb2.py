@@ -27,7 +27,7 @@ from . import media_pb2 as epd_dot_v1_dot_media__pb2
 from . import tensor_pb2 as epd_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/layout.proto\x12\x06\x65pd.v1\x1a\x12\x65pd/v1/media.proto\x1a\x13\x65pd/v1/tensor.proto\"=\n\x0bImageLayout\x12\x0e\n\x06grid_t\x18\x01 \x01(\x05\x12\x0e\n\x06grid_h\x18\x02 \x01(\x05\x12\x0e\n\x06grid_w\x18\x03 \x01(\x05\"\x8a\x01\n\x0bVideoLayout\x12\x0e\n\x06grid_t\x18\x01 \x01(\x05\x12\x0e\n\x06grid_h\x18\x02 \x01(\x05\x12\x0e\n\x06grid_w\x18\x03 \x01(\x05\x12\x18\n\x10seconds_per_grid\x18\x04 \x01(\x01\x12\x19\n\x11grid_timestamps_s\x18\x05 \x03(\x01\x12\x16\n\x0esampled_frames\x18\x06 \x01(\x05\"P\n\x0b\x41udioLayout\x12\x16\n\x0e\x66\x65\x61ture_length\x18\x01 \x01(\x03\x12\x15\n\routput_length\x18\x02 \x01(\x03\x12\x12\n\nduration_s\x18\x03 \x01(\x01\"\xf2\x01\n\nItemLayout\x12\"\n\x08modality\x18\x01 \x01(\x0e\x32\x10.epd.v1.Modality\x12\x12\n\nitem_index\x18\x02 \x01(\r\x12\x0f\n\x07mm_hash\x18\x03 \x01(\t\x12\x1f\n\x17placeholder_token_count\x18\x04 \x01(\x03\x12$\n\x05image\x18\x05 \x01(\x0b\x32\x13.epd.v1.ImageLayoutH\x00\x12$\n\x05video\x18\x06 \x01(\x0b\x32\x13.epd.v1.VideoLayoutH\x00\x12$\n\x05\x61udio\x18\x07 \x01(\x0b\x32\x13.epd.v1.AudioLayoutH\x00\x42\x08\n\x06\x64\x65tail\"\\\n\x0c\x45ncodedMedia\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.epd.v1.ItemLayout\x12(\n\nembeddings\x18\x02 \x01(\x0b\x32\x14.epd.v1.TensorHandleb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/layout.proto\x12\x06\x65pd.v1\x1a\x12\x65pd/v1/media.proto\x1a\x13\x65pd/v1/tensor.proto\"=\n\x0bImageLayout\x12\x0e\n\x06grid_t\x18\x01 \x01(\x05\x12\x0e\n\x06grid_h\x18\x02 \x01(\x05\x12\x0e\n\x06grid_w\x18\x03 \x01(\x05\"\x8a\x01\n\x0bVideoLayout\x12\x0e\n\x06grid_t\x18\x01 \x01(\x05\x12\x0e\n\x06grid_h\x18\x02 \x01(\x05\x12\x0e\n\x06grid_w\x18\x03 \x01(\x05\x12\x18\n\x10seconds_per_grid\x18\x04 \x01(\x01\x12\x19\n\x11grid_timestamps_s\x18\x05 \x03(\x01\x12\x16\n\x0esampled_frames\x18\x06 \x01(\x05\"\x98\x01\n\x0b\x41udioLayout\x12\x16\n\x0e\x66\x65\x61ture_length\x18\x01 \x01(\x03\x12\x15\n\routput_length\x18\x02 \x01(\x03\x12\x12\n\nduration_s\x18\x03 \x01(\x01\x12\x1a\n\x12window_start_frame\x18\x04 \x01(\x03\x12\x15\n\rwindow_frames\x18\x05 \x01(\x03\x12\x13\n\x0b\x63lip_frames\x18\x06 \x01(\x03\"\x90\x02\n\nItemLayout\x12\"\n\x08modality\x18\x01 \x01(\x0e\x32\x10.epd.v1.Modality\x12\x12\n\nitem_index\x18\x02 \x01(\r\x12\x0f\n\x07mm_hash\x18\x03 \x01(\t\x12\x1f\n\x17placeholder_token_count\x18\x04 \x01(\x03\x12$\n\x05image\x18\x05 \x01(\x0b\x32\x13.epd.v1.ImageLayoutH\x00\x12$\n\x05video\x18\x06 \x01(\x0b\x32\x13.epd.v1.VideoLayoutH\x00\x12$\n\x05\x61udio\x18\x07 \x01(\x0b\x32\x13.epd.v1.AudioLayoutH\x00\x12\x1c\n\x14\x63ross_attention_rows\x18\x08 \x01(\x03\x42\x08\n\x06\x64\x65tail\"\\\n\x0c\x45ncodedMedia\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.epd.v1.ItemLayout\x12(\n\nembeddings\x18\x02 \x01(\x0b\x32\x14.epd.v1.TensorHandleb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,10 +38,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_IMAGELAYOUT']._serialized_end=133
   _globals['_VIDEOLAYOUT']._serialized_start=136
   _globals['_VIDEOLAYOUT']._serialized_end=274
-  _globals['_AUDIOLAYOUT']._serialized_start=276
-  _globals['_AUDIOLAYOUT']._serialized_end=356
-  _globals['_ITEMLAYOUT']._serialized_start=359
-  _globals['_ITEMLAYOUT']._serialized_end=601
-  _globals['_ENCODEDMEDIA']._serialized_start=603
-  _globals['_ENCODEDMEDIA']._serialized_end=695
+  _globals['_AUDIOLAYOUT']._serialized_start=277
+  _globals['_AUDIOLAYOUT']._serialized_end=429
+  _globals['_ITEMLAYOUT']._serialized_start=432
+  _globals['_ITEMLAYOUT']._serialized_end=704
+  _globals['_ENCODEDMEDIA']._serialized_start=706
+  _globals['_ENCODEDMEDIA']._serialized_end=798
 # @@protoc_insertion_point(module_scope)

@@ -107,22 +107,37 @@ class AudioLayout(_message.Message):
     FEATURE_LENGTH_FIELD_NUMBER: _builtins.int
     OUTPUT_LENGTH_FIELD_NUMBER: _builtins.int
     DURATION_S_FIELD_NUMBER: _builtins.int
+    WINDOW_START_FRAME_FIELD_NUMBER: _builtins.int
+    WINDOW_FRAMES_FIELD_NUMBER: _builtins.int
+    CLIP_FRAMES_FIELD_NUMBER: _builtins.int
     feature_length: _builtins.int
     """Length of the audio feature sequence (mel frames) fed to the audio tower, in frames."""
     output_length: _builtins.int
     """Number of embedding rows the audio tower produced, in tokens."""
     duration_s: _builtins.float
     """Duration of the decoded clip, in seconds."""
+    window_start_frame: _builtins.int
+    """Encoder-decoder speech models (Whisper) encode one fixed window of the clip's features per
+    item; the three fields below are 0 for towers that take the whole clip. Since contract 1.4.
+    First mel frame of this window in the whole clip's features, in frames (generate()'s `seek`).
+    """
+    window_frames: _builtins.int
+    """Mel frames of the clip inside this window (the rest of the window is padding), in frames."""
+    clip_frames: _builtins.int
+    """Mel frames of the whole clip, in frames; a window whose start is past it is never asked for."""
     def __init__(
         self,
         *,
         feature_length: _builtins.int = ...,
         output_length: _builtins.int = ...,
         duration_s: _builtins.float = ...,
+        window_start_frame: _builtins.int = ...,
+        window_frames: _builtins.int = ...,
+        clip_frames: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_s", b"duration_s", "feature_length", b"feature_length", "output_length", b"output_length"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_frames", b"clip_frames", "duration_s", b"duration_s", "feature_length", b"feature_length", "output_length", b"output_length", "window_frames", b"window_frames", "window_start_frame", b"window_start_frame"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -143,6 +158,7 @@ class ItemLayout(_message.Message):
     IMAGE_FIELD_NUMBER: _builtins.int
     VIDEO_FIELD_NUMBER: _builtins.int
     AUDIO_FIELD_NUMBER: _builtins.int
+    CROSS_ATTENTION_ROWS_FIELD_NUMBER: _builtins.int
     modality: _media_pb2.Modality.ValueType
     """Modality of the item. Required."""
     item_index: _builtins.int
@@ -154,6 +170,11 @@ class ItemLayout(_message.Message):
     placeholder_token_count: _builtins.int
     """Number of placeholder tokens the item occupies in the prompt, in tokens. Equals the number of
     embedding rows. > 0.
+    """
+    cross_attention_rows: _builtins.int
+    """Encoder-decoder models (Whisper): number of encoder-state rows of the "embeddings" tensor the
+    decoder cross-attends to, in rows. The item then takes no prompt positions and
+    `placeholder_token_count` is 0. 0 for decoder-only models. Since contract 1.4.
     """
     @_builtins.property
     def image(self) -> Global___ImageLayout:
@@ -177,10 +198,11 @@ class ItemLayout(_message.Message):
         image: Global___ImageLayout | None = ...,
         video: Global___VideoLayout | None = ...,
         audio: Global___AudioLayout | None = ...,
+        cross_attention_rows: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "detail", b"detail", "image", b"image", "video", b"video"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "detail", b"detail", "image", b"image", "item_index", b"item_index", "mm_hash", b"mm_hash", "modality", b"modality", "placeholder_token_count", b"placeholder_token_count", "video", b"video"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "cross_attention_rows", b"cross_attention_rows", "detail", b"detail", "image", b"image", "item_index", b"item_index", "mm_hash", b"mm_hash", "modality", b"modality", "placeholder_token_count", b"placeholder_token_count", "video", b"video"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_detail: _TypeAlias = _typing.Literal["image", "video", "audio"]  # noqa: Y015
     _WhichOneofArgType_detail: _TypeAlias = _typing.Literal["detail", b"detail"]  # noqa: Y015
@@ -202,7 +224,8 @@ class EncodedMedia(_message.Message):
 
     @_builtins.property
     def embeddings(self) -> _tensor_pb2.TensorHandle:
-        """The embedding tensors ("embeddings" with shape [placeholder_token_count, width], plus any
+        """The embedding tensors ("embeddings" with shape [placeholder_token_count, width] (or
+        [cross_attention_rows, width] for encoder-decoder models), plus any
         extra tensors the embedding spec advertises). Required.
         """
 

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x65pd/v1/media.proto\x12\x06\x65pd.v1\"\xbc\x01\n\x10ProcessorOptions\x12\x17\n\nmin_pixels\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmax_pixels\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\tvideo_fps\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1d\n\x10video_max_frames\x18\x04 \x01(\x05H\x03\x88\x01\x01\x42\r\n\x0b_min_pixelsB\r\n\x0b_max_pixelsB\x0c\n\n_video_fpsB\x13\n\x11_video_max_frames\"\xac\x01\n\tMediaItem\x12\"\n\x08modality\x18\x01 \x01(\x0e\x32\x10.epd.v1.Modality\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\r\n\x03uri\x18\x03 \x01(\tH\x00\x12\x11\n\tmime_type\x18\x04 \x01(\t\x12\n\n\x02id\x18\x05 \x01(\t\x12\x33\n\x11processor_options\x18\x06 \x01(\x0b\x32\x18.epd.v1.ProcessorOptionsB\x08\n\x06source*`\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x65pd/v1/media.proto\x12\x06\x65pd.v1\"\x80\x02\n\x10ProcessorOptions\x12\x17\n\nmin_pixels\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmax_pixels\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\tvideo_fps\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1d\n\x10video_max_frames\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12%\n\x18\x61udio_window_start_frame\x18\x05 \x01(\x03H\x04\x88\x01\x01\x42\r\n\x0b_min_pixelsB\r\n\x0b_max_pixelsB\x0c\n\n_video_fpsB\x13\n\x11_video_max_framesB\x1b\n\x19_audio_window_start_frame\"\xac\x01\n\tMediaItem\x12\"\n\x08modality\x18\x01 \x01(\x0e\x32\x10.epd.v1.Modality\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\r\n\x03uri\x18\x03 \x01(\tH\x00\x12\x11\n\tmime_type\x18\x04 \x01(\t\x12\n\n\x02id\x18\x05 \x01(\t\x12\x33\n\x11processor_options\x18\x06 \x01(\x0b\x32\x18.epd.v1.ProcessorOptionsB\x08\n\x06source*`\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.media_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODALITY']._serialized_start=396
-  _globals['_MODALITY']._serialized_end=492
+  _globals['_MODALITY']._serialized_start=464
+  _globals['_MODALITY']._serialized_end=560
   _globals['_PROCESSOROPTIONS']._serialized_start=31
-  _globals['_PROCESSOROPTIONS']._serialized_end=219
-  _globals['_MEDIAITEM']._serialized_start=222
-  _globals['_MEDIAITEM']._serialized_end=394
+  _globals['_PROCESSOROPTIONS']._serialized_end=287
+  _globals['_MEDIAITEM']._serialized_start=290
+  _globals['_MEDIAITEM']._serialized_end=462
 # @@protoc_insertion_point(module_scope)

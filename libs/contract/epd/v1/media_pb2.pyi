@@ -59,6 +59,7 @@ class ProcessorOptions(_message.Message):
     MAX_PIXELS_FIELD_NUMBER: _builtins.int
     VIDEO_FPS_FIELD_NUMBER: _builtins.int
     VIDEO_MAX_FRAMES_FIELD_NUMBER: _builtins.int
+    AUDIO_WINDOW_START_FRAME_FIELD_NUMBER: _builtins.int
     min_pixels: _builtins.int
     """Lower bound on the resized image / video frame area, in pixels."""
     max_pixels: _builtins.int
@@ -67,6 +68,11 @@ class ProcessorOptions(_message.Message):
     """Video frame sampling rate, in frames per second of source video."""
     video_max_frames: _builtins.int
     """Upper bound on the number of frames sampled from a video, in frames."""
+    audio_window_start_frame: _builtins.int
+    """Encoder-decoder speech models (Whisper), clips over one 30 s window: encode the window that
+    starts at this mel frame of the whole clip's features, in frames (10 ms each; generate()'s
+    `seek`). Unset or 0: the first window. Since contract 1.4.
+    """
     def __init__(
         self,
         *,
@@ -74,11 +80,14 @@ class ProcessorOptions(_message.Message):
         max_pixels: _builtins.int | None = ...,
         video_fps: _builtins.float | None = ...,
         video_max_frames: _builtins.int | None = ...,
+        audio_window_start_frame: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_pixels", b"_max_pixels", "_min_pixels", b"_min_pixels", "_video_fps", b"_video_fps", "_video_max_frames", b"_video_max_frames", "max_pixels", b"max_pixels", "min_pixels", b"min_pixels", "video_fps", b"video_fps", "video_max_frames", b"video_max_frames"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_audio_window_start_frame", b"_audio_window_start_frame", "_max_pixels", b"_max_pixels", "_min_pixels", b"_min_pixels", "_video_fps", b"_video_fps", "_video_max_frames", b"_video_max_frames", "audio_window_start_frame", b"audio_window_start_frame", "max_pixels", b"max_pixels", "min_pixels", b"min_pixels", "video_fps", b"video_fps", "video_max_frames", b"video_max_frames"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_pixels", b"_max_pixels", "_min_pixels", b"_min_pixels", "_video_fps", b"_video_fps", "_video_max_frames", b"_video_max_frames", "max_pixels", b"max_pixels", "min_pixels", b"min_pixels", "video_fps", b"video_fps", "video_max_frames", b"video_max_frames"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_audio_window_start_frame", b"_audio_window_start_frame", "_max_pixels", b"_max_pixels", "_min_pixels", b"_min_pixels", "_video_fps", b"_video_fps", "_video_max_frames", b"_video_max_frames", "audio_window_start_frame", b"audio_window_start_frame", "max_pixels", b"max_pixels", "min_pixels", b"min_pixels", "video_fps", b"video_fps", "video_max_frames", b"video_max_frames"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__audio_window_start_frame: _TypeAlias = _typing.Literal["audio_window_start_frame"]  # noqa: Y015
+    _WhichOneofArgType__audio_window_start_frame: _TypeAlias = _typing.Literal["_audio_window_start_frame", b"_audio_window_start_frame"]  # noqa: Y015
     _WhichOneofReturnType__max_pixels: _TypeAlias = _typing.Literal["max_pixels"]  # noqa: Y015
     _WhichOneofArgType__max_pixels: _TypeAlias = _typing.Literal["_max_pixels", b"_max_pixels"]  # noqa: Y015
     _WhichOneofReturnType__min_pixels: _TypeAlias = _typing.Literal["min_pixels"]  # noqa: Y015
@@ -87,6 +96,8 @@ class ProcessorOptions(_message.Message):
     _WhichOneofArgType__video_fps: _TypeAlias = _typing.Literal["_video_fps", b"_video_fps"]  # noqa: Y015
     _WhichOneofReturnType__video_max_frames: _TypeAlias = _typing.Literal["video_max_frames"]  # noqa: Y015
     _WhichOneofArgType__video_max_frames: _TypeAlias = _typing.Literal["_video_max_frames", b"_video_max_frames"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__audio_window_start_frame) -> _WhichOneofReturnType__audio_window_start_frame | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_pixels) -> _WhichOneofReturnType__max_pixels | None: ...
     @_typing.overload

@@ -53,7 +53,9 @@ Global___KvTransferMode: _TypeAlias = KvTransferMode  # noqa: Y015
 @_typing.final
 class KvCacheLayout(_message.Message):
     """Shape of an exported KV cache. The handle holds 2 * num_layers tensors named
-    "layers.<i>.key" and "layers.<i>.value", each [num_kv_heads, num_tokens, head_dim].
+    "layers.<i>.key" and "layers.<i>.value", each [num_kv_heads, num_tokens, head_dim]; with
+    `cross_tokens` > 0 also "layers.<i>.cross_key" and "layers.<i>.cross_value", each
+    [num_kv_heads, cross_tokens, head_dim].
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -63,6 +65,7 @@ class KvCacheLayout(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
+    CROSS_TOKENS_FIELD_NUMBER: _builtins.int
     num_layers: _builtins.int
     """Number of decoder layers."""
     num_kv_heads: _builtins.int
@@ -73,6 +76,10 @@ class KvCacheLayout(_message.Message):
     """Cached sequence length, in tokens."""
     dtype: _tensor_pb2.DType.ValueType
     """Element type of every tensor."""
+    cross_tokens: _builtins.int
+    """Encoder-decoder models (Whisper): encoder states the cross-attention KV was built from, in
+    tokens; 0 for decoder-only models (no cross-attention tensors). Since contract 1.4.
+    """
     def __init__(
         self,
         *,
@@ -81,10 +88,11 @@ class KvCacheLayout(_message.Message):
         head_dim: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
         dtype: _tensor_pb2.DType.ValueType = ...,
+        cross_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "head_dim", b"head_dim", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "num_tokens", b"num_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cross_tokens", b"cross_tokens", "dtype", b"dtype", "head_dim", b"head_dim", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "num_tokens", b"num_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

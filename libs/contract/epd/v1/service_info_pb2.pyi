@@ -257,6 +257,7 @@ class ServiceInfo(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _builtins.int
     SOFTWARE_VERSION_FIELD_NUMBER: _builtins.int
     ENCODER_CACHE_FIELD_NUMBER: _builtins.int
+    TRANSCRIPTION_FIELD_NUMBER: _builtins.int
     role: Global___ServiceRole.ValueType
     """Role of this service."""
     instance_id: _builtins.str
@@ -289,6 +290,12 @@ class ServiceInfo(_message.Message):
     def encoder_cache(self) -> Global___EncoderCacheInfo:
         """Set by encoders that cache their outputs. Since contract 1.2."""
 
+    @_builtins.property
+    def transcription(self) -> Global___TranscriptionSpec:
+        """Set by prefill services that serve a speech model transcribing in windows (Whisper); a router
+        reads it to run the window loop. Since contract 1.4.
+        """
+
     def __init__(
         self,
         *,
@@ -301,14 +308,47 @@ class ServiceInfo(_message.Message):
         capabilities: _abc.Iterable[_builtins.str] | None = ...,
         software_version: _builtins.str = ...,
         encoder_cache: Global___EncoderCacheInfo | None = ...,
+        transcription: Global___TranscriptionSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["contract_version", b"contract_version", "encoder_cache", b"encoder_cache", "model", b"model"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["contract_version", b"contract_version", "encoder_cache", b"encoder_cache", "model", b"model", "transcription", b"transcription"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "contract_version", b"contract_version", "embedding_specs", b"embedding_specs", "encoder_cache", b"encoder_cache", "instance_id", b"instance_id", "model", b"model", "role", b"role", "software_version", b"software_version", "transports", b"transports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "contract_version", b"contract_version", "embedding_specs", b"embedding_specs", "encoder_cache", b"encoder_cache", "instance_id", b"instance_id", "model", b"model", "role", b"role", "software_version", b"software_version", "transcription", b"transcription", "transports", b"transports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServiceInfo: _TypeAlias = ServiceInfo  # noqa: Y015
+
+@_typing.final
+class TranscriptionSpec(_message.Message):
+    """What a router needs to transcribe a clip window by window as the model's generate() does."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WINDOW_FRAMES_FIELD_NUMBER: _builtins.int
+    TIMESTAMP_BEGIN_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    END_OF_TEXT_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    window_frames: _builtins.int
+    """Mel frames of one encoder window, in frames (3000: 30 s of 10 ms frames)."""
+    timestamp_begin_token_id: _builtins.int
+    """Token id of the first timestamp token (<|0.00|>); timestamp token i marks i * 0.02 s, in
+    token ids.
+    """
+    end_of_text_token_id: _builtins.int
+    """Token id that ends a window's transcript (dropped from the transcript), in token ids."""
+    def __init__(
+        self,
+        *,
+        window_frames: _builtins.int = ...,
+        timestamp_begin_token_id: _builtins.int = ...,
+        end_of_text_token_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_of_text_token_id", b"end_of_text_token_id", "timestamp_begin_token_id", b"timestamp_begin_token_id", "window_frames", b"window_frames"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TranscriptionSpec: _TypeAlias = TranscriptionSpec  # noqa: Y015
 
 @_typing.final
 class EncoderCacheInfo(_message.Message):

@@ -1,0 +1,75 @@
+"""`epd transcribe`: speech to text through a running Whisper stack, streamed like `epd generate`.
+
+epd up --model var/models/whisper-tiny.en --encoders 1   # a Whisper E/P/D stack
+epd transcribe speech.wav [--timestamps]                  # its transcript
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from libs.client.generate import generate, media_from_file, open_channel
+from libs.client.transcribe import transcription_request
+from libs.contract.epd.v1 import media_pb2
+
+
+def cmd_transcribe(ns: argparse.Namespace) -> int:
+    from libs.cli.main import ADDRESS_FILE, _client_security  # the same resolution as `epd generate`
+
+    address_file = ns.run_dir / ADDRESS_FILE
+    address = ns.address or (address_file.read_text().strip() if address_file.exists() else "")
+    if not address:
+        print(f"epd transcribe: no --address and no running `epd up` stack in {ns.run_dir}", file=sys.stderr)
+        return 2
+    if not ns.file.is_file():
+        print(f"epd transcribe: no such file: {ns.file}", file=sys.stderr)
+        return 2
+    try:
+        tls_ca, token = _client_security(ns)
+    except OSError as exc:
+        print(f"epd transcribe: {exc}", file=sys.stderr)
+        return 2
+    if token and tls_ca is None:
+        print("epd transcribe: a token is only sent over TLS; give --tls-ca", file=sys.stderr)
+        return 2
+    audio = media_from_file(ns.file, media_pb2.MODALITY_AUDIO)
+    request = transcription_request(audio, timestamps=ns.timestamps, max_tokens=ns.max_tokens)
+
+    async def run() -> int:
+        import grpc
+
+        async with open_channel(address, tls_ca=tls_ca, token=token) as channel:
+            try:
+                result = await generate(
+                    channel, request, timeout_s=ns.timeout, on_text=lambda t: print(t, end="", flush=True)
+                )
+            except grpc.aio.AioRpcError as exc:
+                print(f"\nepd transcribe: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+        print()
+        print(
+            f"[{result.request_id}] {result.completion_tokens} tokens, {result.finish_reason}, "
+            f"first text {result.ttft_s * 1000:.1f} ms, total {result.total_s * 1000:.1f} ms",
+            file=sys.stderr,
+        )
+        return 0
+
+    return asyncio.run(run())
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from libs.cli.main import ADDRESS_FILE, DEFAULT_RUN_DIR
+
+    p = sub.add_parser("transcribe", help="transcribe an audio file through a running Whisper stack")
+    p.add_argument("file", type=Path, help="audio file (WAV, FLAC, MP3, ...)")
+    p.add_argument("--address", default="", help=f"router address (default: RUN_DIR/{ADDRESS_FILE})")
+    p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="where `epd up` runs (address, tls/)")
+    p.add_argument("--tls-ca", type=Path, default=None, help="CA of the router's certificate (PEM): use TLS")
+    p.add_argument("--token-file", type=Path, default=None, help="bearer token file (or env EPD_TOKEN)")
+    p.add_argument("--timestamps", action="store_true", help="predict segment timestamps (always on past 30 s)")
+    p.add_argument("--max-tokens", type=int, default=0, help="bound per 30 s window (0: the server's default)")
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    p.set_defaults(func=cmd_transcribe)

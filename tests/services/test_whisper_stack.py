@@ -1,0 +1,157 @@
+"""Whisper tiny.en (trained weights) through a real E/P/D stack (router, encoder, prefill, decode,
+each its own process, contract 1.4 on the wire): the router transcribes each clip window by window
+(Encode -> Prefill -> Decode per 30 s window, the next window's start from the previous window's
+timestamps) and streams exactly the tokens of WhisperForConditionalGeneration.generate() fed by
+WhisperProcessor, greedy - for two short utterances and one long-form (two-window) one, sent
+concurrently."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from libs.client.transcribe import audio_item, transcription_request
+from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
+from libs.engine.checkpoints.generate import ensure_converted
+from libs.launch.process import ServiceProcess
+from libs.launch.stack import Stack, StackSpec
+from libs.serving.speech import SPEECH_TRANSCRIPTION
+from tests.engine.whisper_staged import load_reference, reference_tokens
+from tests.release_tree import release_checkout
+from tests.services.conftest import run_requests
+from tests.speech_corpus import UTTERANCES, utterance
+
+pytestmark = pytest.mark.slow
+
+NAMES = ["short", "twenty_seconds", "long_form"]
+RELEASE_1_3 = "Contract 1.3: KvCache.paged"
+
+
+@pytest.fixture(scope="module")
+def whisper_path() -> Path:
+    return ensure_converted()
+
+
+@pytest.fixture(scope="module")
+def whisper_stack(whisper_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    spec = StackSpec(layout="e/p/d", encoders=1, model=whisper_path, run_dir=tmp_path_factory.mktemp("whisper"))
+    stack = Stack(spec)
+    stack.up()
+    try:
+        yield stack
+    finally:
+        statuses = stack.down()
+        assert all(code == 0 for code in statuses.values()), f"unclean exit: {statuses}"
+
+
+@pytest.mark.timeout(600)
+def test_router_transcripts_equal_generate(whisper_path: Path, whisper_stack: Stack) -> None:
+    clips = {name: utterance(*UTTERANCES[name]) for name in NAMES}
+    requests = [transcription_request(audio_item(clips[n], item_id=n), request_id=n) for n in NAMES]
+    results = dict(zip(NAMES, run_requests(whisper_stack.address, requests, timeout_s=480.0), strict=True))
+    model, processor = load_reference(whisper_path)
+    for name in NAMES:
+        expected = reference_tokens(model, processor, clips[name])
+        got = results[name]
+        assert got.token_ids == expected, name
+        assert got.finish_reason == "FINISH_REASON_STOP"
+        assert got.completion_tokens == len(expected)
+    # The long-form clip's transcript went through two windows: it holds timestamp tokens.
+    begin = processor.tokenizer.convert_tokens_to_ids("<|notimestamps|>") + 1
+    assert any(t >= begin for t in results["long_form"].token_ids)
+    assert not any(t >= begin for t in results["short"].token_ids)
+
+
+def _info(address: str) -> service_info_pb2.ServiceInfo:
+    with grpc.insecure_channel(address) as channel:
+        stub = service_info_pb2_grpc.ServiceInfoServiceStub(channel)
+        info: service_info_pb2.ServiceInfo = stub.GetServiceInfo(
+            service_info_pb2.GetServiceInfoRequest(), timeout=10
+        ).info
+        return info
+
+
+def test_speech_services_advertise_transcription(whisper_stack: Stack) -> None:
+    for name in ("encoder-0", "prefill", "decode"):
+        info = _info(whisper_stack.processes[name].address)
+        assert SPEECH_TRANSCRIPTION in info.capabilities, name
+        assert (info.contract_version.major, info.contract_version.minor) == (1, 4)
+        if name == "prefill":
+            assert info.transcription.window_frames == 3000
+            assert info.transcription.timestamp_begin_token_id > info.transcription.end_of_text_token_id
+
+
+@pytest.mark.timeout(300)
+def test_epd_transcribe_prints_the_transcript(whisper_path: Path, whisper_stack: Stack, tmp_path: Path) -> None:
+    """`epd transcribe FILE --address ROUTER`, like `epd generate`: the streamed text on stdout (the
+    text of generate()'s tokens), a summary line on stderr, exit 0; a missing file exits 2."""
+    from tests.services.test_cli import _run
+
+    clip = tmp_path / "short.wav"
+    clip.write_bytes(utterance(*UTTERANCES["short"]))
+    done = _run(["transcribe", str(clip), "--address", whisper_stack.address], cwd=tmp_path, timeout_s=240)
+    assert done.returncode == 0, done.stderr
+    model, processor = load_reference(whisper_path)
+    expected = processor.tokenizer.decode(reference_tokens(model, processor, clip.read_bytes()))
+    assert done.stdout.strip() == expected.strip()
+    assert "FINISH_REASON_STOP" in done.stderr
+    missing = _run(["transcribe", str(tmp_path / "none.wav"), "--address", whisper_stack.address], tmp_path, 120)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+@pytest.mark.timeout(400)
+def test_a_contract_1_3_router_passes_the_speech_fields(
+    whisper_path: Path, whisper_stack: Stack, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Cross-version: a router of the commit that released contract 1.3 (before any speech field)
+    in front of the 1.4 encoder, prefill and decode serves a one-window clip with generate()'s
+    tokens: the cross-attention rows, window frames and cross-attention KV pass through it as
+    fields it copies without reading. Being a plain Generate router, it also streams the window's
+    end-of-text token (the 1.4 router drops it, as generate() does), and it cannot transcribe a
+    clip over 30 s (that needs the 1.4 router's window loop)."""
+    clip = utterance(*UTTERANCES["short"])
+    model, processor = load_reference(whisper_path)
+    expected = reference_tokens(model, processor, clip)
+    end_of_text = processor.tokenizer.eos_token_id
+    processes = whisper_stack.processes
+    args = ["--encoders", processes["encoder-0"].address, "--prefill", processes["prefill"].address]
+    args += ["--decode", processes["decode"].address]
+    with release_checkout(RELEASE_1_3, tmp_path_factory.mktemp("v1_3")) as tree:
+        log = tree.parent / "router-1.3.log"
+        router = ServiceProcess("router-1.3", "services.router", args, log_path=log, root=tree)
+        router.start()
+        try:
+            router.wait_ready(120)
+            assert _info(router.address).contract_version.minor == 3  # really the 1.3 release's router
+            (result,) = run_requests(router.address, [transcription_request(audio_item(clip), request_id="old")])
+        finally:
+            assert router.stop() == 0, router.log_tail()
+    assert result.token_ids == [*expected, end_of_text]
+
+
+@pytest.mark.timeout(500)
+def test_make_run_speech_demo(whisper_path: Path, tmp_path: Path) -> None:
+    """`make run` ends with `epd speech-demo`: its own Whisper stack, both synthesized clips
+    transcribed (the long one through two windows), a clean stop and the trace report's rows."""
+    import subprocess
+
+    from libs.launch.process import ROOT
+    from tests.services.test_cli import _run, _table
+
+    dry = subprocess.run(["make", "-n", "--no-print-directory", "run"], cwd=ROOT, capture_output=True, text=True)
+    assert any(line.split()[1:2] == ["speech-demo"] for line in dry.stdout.splitlines() if line.strip()), dry.stdout
+    spans = tmp_path / "spans.jsonl"
+    args = ["speech-demo", "--model", str(whisper_path), "--run-dir", str(tmp_path / "run"), "--trace-file", str(spans)]
+    done = _run(args, cwd=tmp_path, timeout_s=420)
+    assert done.returncode == 0, done.stdout + done.stderr
+    _, rows = _table(done.stdout, "clip ")
+    assert set(rows) >= {"short", "long-form"}
+    assert all(rows[name][0] != "FAILED" and int(rows[name][1]) > 0 for name in ("short", "long-form")), rows
+    assert "stopped: {'router': 0, 'encoder-0': 0, 'prefill': 0, 'decode': 0}" in done.stdout
+    _, report = _table(done.stdout, "request ")
+    assert {"speech-short", "speech-long-form"} <= set(report)
+    windows = [line for line in spans.read_text().splitlines() if '"epd.transcribe.window"' in line]
+    assert len(windows) == 3  # one window for the short clip, two for the long one
