@@ -4,11 +4,12 @@ and calls through a running stack."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from libs.client.generate import GenerationResult, build_request, generate, open_channel
@@ -145,3 +146,45 @@ async def health(address: str) -> int:
     async with service_channel(address) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         return int(reply.status)
+
+
+class TokenStream:
+    """A streaming call's tokens as they arrive (Generate, PrefillDecode and Decode replies all
+    carry a `chunk`); `first` is set at the first token."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.tokens: list[int] = []
+        self.finish_reason = 0
+        self.first = asyncio.Event()
+
+    async def run(self) -> list[int]:
+        async for reply in self.call:
+            self.tokens += reply.chunk.token_ids
+            self.finish_reason = reply.chunk.finish_reason or self.finish_reason
+            if self.tokens:
+                self.first.set()
+        return self.tokens
+
+
+async def until_draining(address: str, timeout_s: float = 30.0) -> None:
+    """Until the service's health is NOT_SERVING: it got its signal and drains (bounded)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while await health(address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert asyncio.get_running_loop().time() < deadline, f"{address} never started draining"
+        await asyncio.sleep(0.05)
+
+
+async def probe_until_refused(probe: Callable[[], Awaitable[Any]], attempts: int = 100) -> list[str]:
+    """Call `probe` until it fails; every outcome ("OK" or "CODE: details"). A service that got
+    its signal refuses within moments, so a few calls are enough (bounded)."""
+    outcomes: list[str] = []
+    for _ in range(attempts):
+        try:
+            await probe()
+            outcomes.append("OK")
+        except grpc.aio.AioRpcError as exc:
+            outcomes.append(f"{exc.code().name}: {exc.details()}")
+            break
+        await asyncio.sleep(0.02)
+    return outcomes

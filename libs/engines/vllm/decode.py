@@ -194,7 +194,9 @@ class VllmDecode:
         started = time.perf_counter()
         span = None
         try:
-            stream = llm.generate(prompt, params, request.request_id)
+            stream = llm.generate(
+                prompt, params, request.request_id, priority=runtime.engine_priority(request.priority)
+            )
             with stage("kv.transfer", "transfer", **{"epd.engine": "vllm"}) as transfer:
                 out = await next_output(stream, deadline)  # the blocks read and the first step run
                 blocks = sum(len(group.block_ids) for group in request.kv_cache.paged.groups)

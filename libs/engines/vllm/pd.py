@@ -81,6 +81,7 @@ class VllmPrefillDecode:
         messages: Sequence[chat_pb2.ChatMessage],
         sampling: eng.SamplingParams,
         deadline: float | None,
+        priority: int = 0,
     ) -> AsyncIterator[Streamed]:
         planned = await asyncio.to_thread(self.planner.plan, request_id, messages, sampling, self._agents, deadline)
         params = runtime.sampling_params(sampling, self._default_max_tokens, planned.items)
@@ -91,7 +92,7 @@ class VllmPrefillDecode:
         started = time.perf_counter()
         span = None
         try:
-            stream = llm.generate(planned.prompt, params, request_id)
+            stream = llm.generate(planned.prompt, params, request_id, priority=runtime.engine_priority(priority))
             with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as prefill_span:
                 first = await next_output(stream, deadline)
                 prefill_span.set_attribute("epd.prompt_tokens", len(first.prompt_token_ids or ()))

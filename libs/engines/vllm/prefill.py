@@ -161,7 +161,9 @@ class VllmPrefill:
         out: Any = None
         handed = False
         try:
-            stream = llm.generate(planned.prompt, params, request.request_id)
+            stream = llm.generate(
+                planned.prompt, params, request.request_id, priority=runtime.engine_priority(request.priority)
+            )
             with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as span:
                 out = await next_output(stream, deadline)
                 while not out.finished:

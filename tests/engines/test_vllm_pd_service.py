@@ -1,0 +1,164 @@
+"""A PD service on vLLM on its own (text requests need no encoder): its Prometheus metrics, the
+priority order inside vLLM's scheduler, drain on SIGTERM.
+
+The service runs one sequence at a time (`--max-batch 1`, vLLM's max_num_seqs) and admits more
+(`--max-running`): the rest wait inside vLLM, where only vLLM's scheduler orders them. The drain
+test runs last: it stops the service."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from libs.contract.epd.v1 import chat_pb2, prefill_decode_pb2, prefill_decode_pb2_grpc, sampling_pb2
+from libs.launch.k8s import LANE_LABEL, OCCUPANCY_METRIC
+from libs.launch.process import ServiceProcess, free_port
+from libs.rpc.server import open_channel
+from tests.engines.vllm_stack import TokenStream, probe_until_refused, stats, until_draining
+
+pytestmark = pytest.mark.slow
+ADMITTED = 6  # the filler and the requests queued behind it, all inside vLLM
+ARRIVALS = [("low-1", -10), ("low-2", -10), ("high", 50), ("default", 0)]
+
+
+class PdService:
+    def __init__(self, process: ServiceProcess, metrics_port: int) -> None:
+        self.process = process
+        self.address = process.address
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as reply:
+            return str(reply.read().decode())
+
+    def gauge(self, name: str) -> float:
+        """vLLM's gauge `name` (one engine, so one sample)."""
+        samples = [line for line in self.metrics().splitlines() if line.startswith(name + "{")]
+        assert len(samples) == 1, samples
+        return float(samples[0].rsplit(" ", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def pd(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdService]:
+    port = free_port()
+    args = ["--engine", "vllm", "--model", str(omni_tiny), "--max-batch", "1", "--max-running", str(ADMITTED)]
+    args += ["--metrics-port", str(port), "--grace-s", "240"]
+    process = ServiceProcess("pd", "services.pd", args, log_path=tmp_path_factory.mktemp("vllm-pd") / "pd.log")
+    process.start()
+    try:
+        process.wait_ready(420)
+        yield PdService(process, port)
+    finally:
+        process.stop(60)
+
+
+def _request(name: str, text: str, max_tokens: int, priority: int = 0) -> prefill_decode_pb2.PrefillDecodeRequest:
+    return prefill_decode_pb2.PrefillDecodeRequest(
+        request_id=f"{name}-{time.monotonic_ns()}",
+        messages=[chat_pb2.ChatMessage(role=chat_pb2.CHAT_ROLE_USER, parts=[chat_pb2.ContentPart(text=text)])],
+        sampling=sampling_pb2.SamplingParams(max_tokens=max_tokens),
+        priority=priority,
+    )
+
+
+async def _generate(address: str, req: prefill_decode_pb2.PrefillDecodeRequest) -> list[int]:
+    async with open_channel(address) as channel:
+        stub = prefill_decode_pb2_grpc.PrefillDecodeServiceStub(channel)
+        return await TokenStream(stub.PrefillDecode(req, timeout=120)).run()
+
+
+def test_metrics_are_the_reference_services_and_vllms_own(pd: PdService) -> None:
+    tokens = asyncio.run(_generate(pd.address, _request("metrics", "Say something.", 4)))
+    assert len(tokens) == 4
+    text = pd.metrics()
+    stages = {line.split('epd_stage="')[1].split('"')[0] for line in text.splitlines() if 'epd_stage="' in line}
+    assert {"queue", "prefill", "decode"} <= stages, stages
+    assert "epd_stage_duration_seconds_bucket" in text
+    # The load gauge the autoscaler reads, for this service's lane: idle now.
+    occupancy = [line for line in text.splitlines() if line.startswith(OCCUPANCY_METRIC + "{")]
+    assert any(f'{LANE_LABEL}="pd"' in line and line.endswith(" 0.0") for line in occupancy), occupancy
+    # vLLM's scheduler gauges and counters, from the engine itself.
+    assert pd.gauge("vllm:num_requests_running") == 0 and pd.gauge("vllm:num_requests_waiting") == 0
+    assert 0 <= pd.gauge("vllm:kv_cache_usage_perc") < 1
+    assert pd.gauge("vllm:generation_tokens_total") >= 4
+
+
+async def _served_order(pd: PdService) -> list[str]:
+    async with open_channel(pd.address) as channel:
+        stub = prefill_decode_pb2_grpc.PrefillDecodeServiceStub(channel)
+
+        async def until_waiting_in_vllm(n: int) -> None:
+            for _ in range(600):  # bounded: the gauge moves at every engine step (the filler's)
+                if await asyncio.to_thread(pd.gauge, "vllm:num_requests_waiting") == n:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"never {n} requests waiting in vLLM")
+
+        filler = TokenStream(stub.PrefillDecode(_request("filler", "Count forever.", 4000), timeout=240))
+        filling = asyncio.ensure_future(filler.run())
+        await asyncio.wait_for(filler.first.wait(), 120)  # it holds vLLM's only running slot
+        order: list[str] = []
+
+        async def queued(name: str, priority: int) -> None:
+            stream = TokenStream(stub.PrefillDecode(_request(name, "Say something.", 4, priority), timeout=240))
+            running = asyncio.ensure_future(stream.run())
+            await stream.first.wait()
+            order.append(name)  # its first token: vLLM scheduled it
+            await running
+
+        waiting = []
+        try:
+            for n, (name, priority) in enumerate(ARRIVALS, 1):  # one at a time: their arrival order is certain
+                waiting.append(asyncio.ensure_future(queued(name, priority)))
+                await until_waiting_in_vllm(n)
+            assert order == []  # all four wait inside vLLM (admission let them in)
+            filler.call.cancel()  # vLLM's one slot frees, and cycles through its waiting requests
+            await asyncio.wait_for(asyncio.gather(*waiting), 120)
+            return order
+        finally:
+            filler.call.cancel()
+            for task in (filling, *waiting):
+                task.cancel()
+            await asyncio.gather(filling, *waiting, return_exceptions=True)
+
+
+@pytest.mark.timeout(300)
+def test_requests_waiting_in_vllm_are_scheduled_by_priority_then_arrival(pd: PdService) -> None:
+    assert asyncio.run(_served_order(pd)) == ["high", "default", "low-1", "low-2"]
+    deadline = time.monotonic() + 30
+    while asyncio.run(stats(pd.address)).active_sequences:  # the cancelled filler aborted in vLLM
+        assert time.monotonic() < deadline, "a sequence stayed in vLLM"
+        time.sleep(0.1)
+
+
+async def _drained(pd: PdService, texts: list[str]) -> tuple[list[int], list[str], list[list[int]]]:
+    async with open_channel(pd.address) as channel:
+        stub = prefill_decode_pb2_grpc.PrefillDecodeServiceStub(channel)
+        reqs = [_request(f"drain-{i}", text, 32) for i, text in enumerate(texts)]
+        streams = [TokenStream(stub.PrefillDecode(req, timeout=240)) for req in reqs]
+        done = [asyncio.ensure_future(s.run()) for s in streams]
+        await asyncio.wait_for(streams[0].first.wait(), 120)  # the others wait inside vLLM (one slot)
+        assert (await stats(pd.address)).requests_in_flight == len(texts)
+        assert pd.process.process is not None
+        pd.process.process.terminate()  # SIGTERM
+        at_signal = [len(s.tokens) for s in streams]
+        await until_draining(pd.address)
+        probes = await probe_until_refused(lambda: _generate(pd.address, _request("probe", "Hi.", 1)))
+        return at_signal, probes, list(await asyncio.gather(*done))
+
+
+@pytest.mark.timeout(300)
+def test_drain_finishes_running_and_waiting_requests_and_refuses_new_ones(pd: PdService) -> None:
+    texts = ["Tell a story.", "Name some colours.", "Describe the sea."]
+    undisturbed = [asyncio.run(_generate(pd.address, _request("undisturbed", t, 32))) for t in texts]
+    at_signal, probes, finished = asyncio.run(_drained(pd, texts))
+    assert all(n < 32 for n in at_signal), at_signal  # in flight (running or waiting in vLLM) at the signal
+    assert finished == undisturbed  # every token
+    *before, refused = probes
+    assert set(before) <= {"OK"} and refused.startswith("UNAVAILABLE: ") and "draining" in refused, probes
+    assert pd.process.process is not None and pd.process.process.wait(120) == 0, pd.process.log_tail()
