@@ -170,7 +170,12 @@ class TokenStream:
 async def until_draining(address: str, timeout_s: float = 30.0) -> None:
     """Until the service's health is NOT_SERVING: it got its signal and drains (bounded)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while await health(address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+    while True:
+        try:
+            if await health(address) == health_pb2.HealthCheckResponse.NOT_SERVING:
+                return
+        except grpc.aio.AioRpcError as exc:  # stopped already: it had nothing left to wait for
+            raise AssertionError(f"{address} stopped instead of draining: {exc.code().name}") from None
         assert asyncio.get_running_loop().time() < deadline, f"{address} never started draining"
         await asyncio.sleep(0.05)
 
