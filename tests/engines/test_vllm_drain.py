@@ -1,5 +1,6 @@
 """Drain on SIGTERM in E/P/D on vLLM (real processes: a reference encoder, prefill and decode on
-vLLM, the router), as tests/services/test_drain.py does for the reference engine.
+vLLM, the router), as tests/services/test_drain.py does for the reference engine; first, their
+Prometheus metrics (the reference services' and vLLM's own).
 
 The prefill gets SIGTERM while requests stream through the stack and while its engine holds KV
 blocks under lease for handoffs nobody has read yet. Then: the streams finish with every token
@@ -29,7 +30,8 @@ from libs.contract.epd.v1 import (
     sampling_pb2,
     tensor_pb2,
 )
-from libs.launch.process import ServiceProcess
+from libs.launch.k8s import LANE_LABEL, OCCUPANCY_METRIC
+from libs.launch.process import ServiceProcess, free_port
 from libs.launch.stack import Stack, StackSpec
 from libs.rpc.server import open_channel
 from tests.engines.vllm_stack import (
@@ -39,6 +41,9 @@ from tests.engines.vllm_stack import (
     probe_until_refused,
     request,
     run,
+    sample_values,
+    scrape,
+    stage_kinds,
     stats,
     until_draining,
 )
@@ -49,6 +54,7 @@ STREAMED = ["image", "audio", "text"]  # through the router when prefill gets it
 HANDOFFS = 2  # KV handoffs prefill holds for decode at its signal
 TOKENS = 256  # in flight well after each signal (~20 ms a token), done well within the grace period
 GRACE = ["--grace-s", "240"]
+METRICS = {"prefill": free_port(), "decode": free_port()}  # their Prometheus ports
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +66,10 @@ def stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         model=omni_tiny,
         run_dir=tmp_path_factory.mktemp("vllm-drain"),
         engine="vllm",
-        extra_args={"prefill": [*GRACE, "--lease-ttl-s", "300"], "decode": GRACE},
+        extra_args={
+            "prefill": [*GRACE, "--lease-ttl-s", "300", "--metrics-port", str(METRICS["prefill"])],
+            "decode": [*GRACE, "--metrics-port", str(METRICS["decode"])],
+        },
         ready_timeout_s=600.0,
     )
     with Stack(spec).running() as running:
@@ -147,6 +156,19 @@ async def _decode_drains(
         probes = await probe_until_refused(lambda: TokenStream(stub.Decode(empty, timeout=30)).run())
         finished = await asyncio.gather(*done)
     return {"probes": probes, "finished": finished}
+
+
+def test_prefill_and_decode_export_the_reference_metrics_and_vllms(stack: Stack) -> None:
+    assert len(call(stack.address, request(MIXES["image"])).token_ids) > 1  # an embedding read, a KV handoff
+    want = {"prefill": {"queue", "prefill"}, "decode": {"queue", "transfer", "decode"}}
+    moved = {"prefill": "encoder->prefill", "decode": "prefill->decode"}
+    for role, port in METRICS.items():
+        text = scrape(port)
+        assert want[role] <= stage_kinds(text), (role, stage_kinds(text))
+        assert sample_values(text, OCCUPANCY_METRIC, f'{LANE_LABEL}="{role}"') == [0.0], role  # idle
+        assert sum(sample_values(text, "epd_transfer_bytes_total", f'"{moved[role]}"')) > 0, role
+        assert len(sample_values(text, "vllm:kv_cache_usage_perc")) == 1, role
+        assert sample_values(text, "vllm:num_requests_running") == [0.0], role
 
 
 def _refused_draining(probes: object) -> None:

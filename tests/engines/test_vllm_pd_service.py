@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,28 +18,35 @@ from libs.contract.epd.v1 import chat_pb2, prefill_decode_pb2, prefill_decode_pb
 from libs.launch.k8s import LANE_LABEL, OCCUPANCY_METRIC
 from libs.launch.process import ServiceProcess, free_port
 from libs.rpc.server import open_channel
-from tests.engines.vllm_stack import TokenStream, probe_until_refused, stats, until_draining
+from tests.engines.vllm_stack import (
+    TokenStream,
+    probe_until_refused,
+    sample_values,
+    scrape,
+    stage_kinds,
+    stats,
+    until_draining,
+)
 
 pytestmark = pytest.mark.slow
 ADMITTED = 6  # the filler and the requests queued behind it, all inside vLLM
 ARRIVALS = [("low-1", -10), ("low-2", -10), ("high", 50), ("default", 0)]
+DRAINED_TOKENS = 96  # each request of the drain test: all three in flight at the signal
 
 
 class PdService:
     def __init__(self, process: ServiceProcess, metrics_port: int) -> None:
         self.process = process
         self.address = process.address
-        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.metrics_port = metrics_port
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as reply:
-            return str(reply.read().decode())
+        return scrape(self.metrics_port)
 
     def gauge(self, name: str) -> float:
         """vLLM's gauge `name` (one engine, so one sample)."""
-        samples = [line for line in self.metrics().splitlines() if line.startswith(name + "{")]
-        assert len(samples) == 1, samples
-        return float(samples[0].rsplit(" ", 1)[1])
+        (value,) = sample_values(self.metrics(), name)
+        return value
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +82,7 @@ def test_metrics_are_the_reference_services_and_vllms_own(pd: PdService) -> None
     tokens = asyncio.run(_generate(pd.address, _request("metrics", "Say something.", 4)))
     assert len(tokens) == 4
     text = pd.metrics()
-    stages = {line.split('epd_stage="')[1].split('"')[0] for line in text.splitlines() if 'epd_stage="' in line}
-    assert {"queue", "prefill", "decode"} <= stages, stages
+    assert {"queue", "prefill", "decode"} <= stage_kinds(text), stage_kinds(text)
     assert "epd_stage_duration_seconds_bucket" in text
     # The load gauge the autoscaler reads, for this service's lane: idle now.
     occupancy = [line for line in text.splitlines() if line.startswith(OCCUPANCY_METRIC + "{")]
@@ -139,11 +144,20 @@ def test_requests_waiting_in_vllm_are_scheduled_by_priority_then_arrival(pd: PdS
 async def _drained(pd: PdService, texts: list[str]) -> tuple[list[int], list[str], list[list[int]]]:
     async with open_channel(pd.address) as channel:
         stub = prefill_decode_pb2_grpc.PrefillDecodeServiceStub(channel)
-        reqs = [_request(f"drain-{i}", text, 32) for i, text in enumerate(texts)]
+        reqs = [_request(f"drain-{i}", text, DRAINED_TOKENS) for i, text in enumerate(texts)]
         streams = [TokenStream(stub.PrefillDecode(req, timeout=240)) for req in reqs]
         done = [asyncio.ensure_future(s.run()) for s in streams]
-        await asyncio.wait_for(streams[0].first.wait(), 120)  # the others wait inside vLLM (one slot)
-        assert (await stats(pd.address)).requests_in_flight == len(texts)
+        for _ in range(1000):  # bounded: until the service admitted all of them
+            if (await stats(pd.address)).requests_in_flight == len(texts):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the service never had all the requests in flight")
+        # One runs (whichever vLLM took first), the others wait inside vLLM (one slot).
+        firsts = [asyncio.ensure_future(s.first.wait()) for s in streams]
+        await asyncio.wait(firsts, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+        for first in firsts:
+            first.cancel()
         assert pd.process.process is not None
         pd.process.process.terminate()  # SIGTERM
         at_signal = [len(s.tokens) for s in streams]
@@ -155,9 +169,9 @@ async def _drained(pd: PdService, texts: list[str]) -> tuple[list[int], list[str
 @pytest.mark.timeout(300)
 def test_drain_finishes_running_and_waiting_requests_and_refuses_new_ones(pd: PdService) -> None:
     texts = ["Tell a story.", "Name some colours.", "Describe the sea."]
-    undisturbed = [asyncio.run(_generate(pd.address, _request("undisturbed", t, 32))) for t in texts]
+    undisturbed = [asyncio.run(_generate(pd.address, _request("undisturbed", t, DRAINED_TOKENS))) for t in texts]
     at_signal, probes, finished = asyncio.run(_drained(pd, texts))
-    assert all(n < 32 for n in at_signal), at_signal  # in flight (running or waiting in vLLM) at the signal
+    assert all(n < DRAINED_TOKENS for n in at_signal), at_signal  # in flight (running or waiting) at the signal
     assert finished == undisturbed  # every token
     *before, refused = probes
     assert set(before) <= {"OK"} and refused.startswith("UNAVAILABLE: ") and "draining" in refused, probes

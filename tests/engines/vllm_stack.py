@@ -4,6 +4,7 @@ and calls through a running stack."""
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,3 +194,21 @@ async def probe_until_refused(probe: Callable[[], Awaitable[Any]], attempts: int
             break
         await asyncio.sleep(0.02)
     return outcomes
+
+
+def scrape(port: int) -> str:
+    """A service's Prometheus /metrics (`--metrics-port`)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+def stage_kinds(metrics: str) -> set[str]:
+    """The `epd.stage` values the stage histogram has samples for."""
+    return {line.split('epd_stage="')[1].split('"')[0] for line in metrics.splitlines() if 'epd_stage="' in line}
+
+
+def sample_values(metrics: str, name: str, label: str = "") -> list[float]:
+    """The values of metric `name`'s samples (those whose labels contain `label`)."""
+    return [
+        float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{") and label in line
+    ]
