@@ -14,9 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from libs.contract.epd.v1 import chat_pb2, prefill_decode_pb2, prefill_decode_pb2_grpc, sampling_pb2
+from libs.contract.epd.v1 import (
+    chat_pb2,
+    prefill_decode_pb2,
+    prefill_decode_pb2_grpc,
+    sampling_pb2,
+    service_info_pb2,
+    service_info_pb2_grpc,
+)
 from libs.launch.k8s import LANE_LABEL, OCCUPANCY_METRIC
 from libs.launch.process import ServiceProcess, free_port
+from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.server import open_channel
 from tests.engines.vllm_stack import (
     TokenStream,
@@ -132,8 +140,18 @@ async def _served_order(pd: PdService) -> list[str]:
             await asyncio.gather(filling, *waiting, return_exceptions=True)
 
 
+async def _capabilities(address: str) -> list[str]:
+    async with open_channel(address) as channel:
+        reply = await service_info_pb2_grpc.ServiceInfoServiceStub(channel).GetServiceInfo(
+            service_info_pb2.GetServiceInfoRequest(), timeout=10
+        )
+        return list(reply.info.capabilities)
+
+
 @pytest.mark.timeout(300)
 def test_requests_waiting_in_vllm_are_scheduled_by_priority_then_arrival(pd: PdService) -> None:
+    # Advertised as the reference services do: the router forwards priorities only to such peers.
+    assert {ADMISSION_PRIORITY, "engine.vllm"} <= set(asyncio.run(_capabilities(pd.address)))
     assert asyncio.run(_served_order(pd)) == ["high", "default", "low-1", "low-2"]
     deadline = time.monotonic() + 30
     while asyncio.run(stats(pd.address)).active_sequences:  # the cancelled filler aborted in vLLM
