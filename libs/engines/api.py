@@ -60,8 +60,10 @@ class PrefillDecodeEngine(Protocol):
         messages: Sequence[chat_pb2.ChatMessage],
         sampling: eng.SamplingParams,
         deadline: float | None,
+        priority: int = 0,
     ) -> AsyncIterator[Streamed]:
-        """Stream the reply; typed contract errors for bad input, a gone embedding, a dead engine."""
+        """Stream the reply; typed contract errors for bad input, a gone embedding, a dead engine.
+        `priority` (epd.v1's: higher first) orders the requests waiting inside the engine."""
         ...
 
     async def close(self) -> None:

@@ -46,7 +46,9 @@ async def _vllm_setup(settings: DecodeSettings) -> ServiceParts:
     from libs.engines.vllm.decode import VllmDecode  # imports vLLM (~15 s): only when chosen
 
     engine = await VllmDecode.start(settings)
-    # Requests beyond vLLM's batch (max_num_seqs = max_batch) wait in admission, not in vLLM.
+    # Requests beyond vLLM's batch (max_num_seqs = max_batch) wait in admission, not in vLLM: a
+    # handoff's lease is checked before vLLM sees it, and vLLM reads the blocks as soon as it
+    # takes the request; queued inside vLLM, a lease could expire (blocks reused) before the read.
     admission = Admission("decode", min(settings.max_running, settings.max_batch), settings.max_waiting)
     servicer = DecodeServicer(EngineDecodeCore(engine), admission)
     return model_service_parts(

@@ -22,7 +22,10 @@ class PrefillDecodeCore:
     ) -> AsyncIterator[prefill_decode_pb2.PrefillDecodeResponse]:
         validate_prefill_decode_request(request, self.limits)
         sampling = convert.sampling_to_engine(request.sampling)
-        async for chunk, usage in self.engine.generate(request.request_id, request.messages, sampling, deadline):
+        stream = self.engine.generate(
+            request.request_id, request.messages, sampling, deadline, priority=request.priority
+        )
+        async for chunk, usage in stream:
             response = prefill_decode_pb2.PrefillDecodeResponse(chunk=chunk)
             if usage is not None:
                 response.usage.CopyFrom(usage)

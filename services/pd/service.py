@@ -55,10 +55,19 @@ async def _engine(settings: PrefillDecodeSettings) -> tuple[PrefillDecodeEngine,
     return ReferencePrefillDecode(runtime, transport, max_batch=settings.max_batch), transport
 
 
+def _admitted_at_once(settings: PrefillDecodeSettings) -> int:
+    """The reference engine runs at most its batch: the rest wait in admission. vLLM queues beyond
+    its batch itself, by priority (`scheduling_policy="priority"`), and starts a waiting request
+    in the very step a sequence ends: it gets `max_running`, as the vLLM prefill does."""
+    if settings.engine == "vllm":
+        return settings.max_running
+    return min(settings.max_running, settings.max_batch)
+
+
 async def setup(settings: PrefillDecodeSettings) -> ServiceParts:
     engine, transport = await _engine(settings)
     identity = model_identity(settings, engine.weights_digest)
-    admission = Admission("pd", min(settings.max_running, settings.max_batch), settings.max_waiting)
+    admission = Admission("pd", _admitted_at_once(settings), settings.max_waiting)
     servicer = PrefillDecodeServicer(PrefillDecodeCore(engine), admission)
     return model_service_parts(
         (prefill_decode_pb2_grpc.add_PrefillDecodeServiceServicer_to_server, servicer, "epd.v1.PrefillDecodeService"),

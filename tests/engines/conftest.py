@@ -27,6 +27,7 @@ def vllm_epd_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) ->
         model=omni_tiny,
         run_dir=tmp_path_factory.mktemp("vllm-e+pd"),
         engine="vllm",
+        extra_args={"pd": ["--grace-s", "120"]},  # the drain test's streams finish within it
         ready_timeout_s=420.0,
     )
     with Stack(spec).running() as stack:

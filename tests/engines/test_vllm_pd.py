@@ -1,12 +1,15 @@
 """E+PD on vLLM, every service its own process: a reference encoder, the PD service running
 vLLM's AsyncLLM (embeddings read over NIXL by the project's EC connector inside vLLM's worker),
 the router. Tokens equal the reference runtime's; bad input, a missing embedding, a cancel and a
-killed engine give typed statuses, the service recovers and every pool ends empty.
+killed engine give typed statuses, the service recovers and every pool ends empty; SIGTERM drains
+the PD service.
 
-Runs last within this module: the engine-kill test (a restart costs ~1 min)."""
+Run last within this module: the engine-kill test (a restart costs ~1 min), then the drain test
+(it stops the PD service)."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from pathlib import Path
@@ -19,6 +22,7 @@ from grpc_health.v1 import health_pb2
 
 from libs.contract.epd.v1 import (
     chat_pb2,
+    generate_pb2_grpc,
     layout_pb2,
     media_pb2,
     prefill_decode_pb2,
@@ -32,16 +36,19 @@ from libs.engine.media import synthetic
 from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
 from tests.engines.vllm_stack import (
+    TokenStream,
     call,
     cancel_after_chunks,
     encode_image,
     health,
     mixes,
+    probe_until_refused,
     reference_tokens,
     release,
     request,
     run,
     stats,
+    until_draining,
 )
 
 pytestmark = pytest.mark.slow
@@ -184,3 +191,41 @@ def test_killed_engine_fails_requests_unavailable_then_restarts(
     assert pd.alive()
     assert call(vllm_epd_stack.address, request(MIXES["audio"])).token_ids == expected["audio"]
     _wait_empty(vllm_epd_stack)
+
+
+DRAINED = ["image", "audio", "text"]  # streaming through the router at the PD's signal
+DRAINED_TOKENS = 64
+
+
+async def _pd_drains(stack: Stack) -> tuple[list[int], list[str], list[list[int]]]:
+    pd = stack.processes["pd"]
+    async with open_channel(stack.address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        reqs = [request(MIXES[n], max_tokens=DRAINED_TOKENS) for n in DRAINED]
+        streams = [TokenStream(stub.Generate(req, timeout=240)) for req in reqs]
+        done = [asyncio.ensure_future(s.run()) for s in streams]
+        await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 120)
+        assert pd.process is not None
+        pd.process.send_signal(signal.SIGTERM)
+        at_signal = [len(s.tokens) for s in streams]
+        await until_draining(pd.address)
+        probes = await probe_until_refused(lambda: _prefill_decode(pd.address, _pd_request(None, max_tokens=1)))
+        return at_signal, probes, list(await asyncio.gather(*done))
+
+
+def test_sigterm_drains_streams_in_flight_then_exits(vllm_epd_stack: Stack) -> None:
+    undisturbed = [
+        call(vllm_epd_stack.address, request(MIXES[n], max_tokens=DRAINED_TOKENS)).token_ids for n in DRAINED
+    ]
+    _wait_empty(vllm_epd_stack)
+    at_signal, probes, finished = asyncio.run(_pd_drains(vllm_epd_stack))
+    assert all(n < DRAINED_TOKENS for n in at_signal), at_signal  # in flight at the signal
+    assert finished == undisturbed  # every token
+    *before, refused = probes
+    assert set(before) <= {"OK"} and refused.startswith("UNAVAILABLE: ") and "draining" in refused, probes
+    pd = vllm_epd_stack.processes["pd"]
+    assert pd.process is not None and pd.process.wait(120) == 0, pd.log_tail()
+    for name, process in vllm_epd_stack.processes.items():  # every embedding the PD read was acked
+        if name.startswith("encoder"):
+            pool = run(stats, process.address).pool
+            assert pool.slots_in_use == pool.active_leases == 0, name

@@ -4,11 +4,13 @@ and calls through a running stack."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from libs.client.generate import GenerationResult, build_request, generate, open_channel
@@ -145,3 +147,68 @@ async def health(address: str) -> int:
     async with service_channel(address) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         return int(reply.status)
+
+
+class TokenStream:
+    """A streaming call's tokens as they arrive (Generate, PrefillDecode and Decode replies all
+    carry a `chunk`); `first` is set at the first token."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.tokens: list[int] = []
+        self.finish_reason = 0
+        self.first = asyncio.Event()
+
+    async def run(self) -> list[int]:
+        async for reply in self.call:
+            self.tokens += reply.chunk.token_ids
+            self.finish_reason = reply.chunk.finish_reason or self.finish_reason
+            if self.tokens:
+                self.first.set()
+        return self.tokens
+
+
+async def until_draining(address: str, timeout_s: float = 30.0) -> None:
+    """Until the service's health is NOT_SERVING: it got its signal and drains (bounded)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            if await health(address) == health_pb2.HealthCheckResponse.NOT_SERVING:
+                return
+        except grpc.aio.AioRpcError as exc:  # stopped already: it had nothing left to wait for
+            raise AssertionError(f"{address} stopped instead of draining: {exc.code().name}") from None
+        assert asyncio.get_running_loop().time() < deadline, f"{address} never started draining"
+        await asyncio.sleep(0.05)
+
+
+async def probe_until_refused(probe: Callable[[], Awaitable[Any]], attempts: int = 100) -> list[str]:
+    """Call `probe` until it fails; every outcome ("OK" or "CODE: details"). A service that got
+    its signal refuses within moments, so a few calls are enough (bounded)."""
+    outcomes: list[str] = []
+    for _ in range(attempts):
+        try:
+            await probe()
+            outcomes.append("OK")
+        except grpc.aio.AioRpcError as exc:
+            outcomes.append(f"{exc.code().name}: {exc.details()}")
+            break
+        await asyncio.sleep(0.02)
+    return outcomes
+
+
+def scrape(port: int) -> str:
+    """A service's Prometheus /metrics (`--metrics-port`)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+def stage_kinds(metrics: str) -> set[str]:
+    """The `epd.stage` values the stage histogram has samples for."""
+    return {line.split('epd_stage="')[1].split('"')[0] for line in metrics.splitlines() if 'epd_stage="' in line}
+
+
+def sample_values(metrics: str, name: str, label: str = "") -> list[float]:
+    """The values of metric `name`'s samples (those whose labels contain `label`)."""
+    return [
+        float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{") and label in line
+    ]

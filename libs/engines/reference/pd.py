@@ -42,6 +42,7 @@ class ReferencePrefillDecode:
         messages: Sequence[chat_pb2.ChatMessage],
         sampling: eng.SamplingParams,
         deadline: float | None,
+        priority: int = 0,  # ordered by the service's admission: this engine runs what it admitted
     ) -> AsyncIterator[Streamed]:
         result = await fetch_and_prefill(self.thread, self.runner, self._transport, messages, sampling, deadline)
         async for item in stream_after_prefill(self.loop, request_id, result, sampling):

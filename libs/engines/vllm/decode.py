@@ -40,7 +40,7 @@ from libs.rpc.peers import check_peer
 from libs.rpc.server import open_channel
 from libs.serving import convert
 from libs.serving.identity import model_identity
-from libs.telemetry.stages import record_duration, stage, start_phase
+from libs.telemetry.stages import record_duration, record_transfer, stage, start_phase
 
 # A lease this close to its expiry is treated as gone: vLLM would read freed blocks (seconds).
 _EXPIRY_MARGIN_S = 0.5
@@ -152,6 +152,16 @@ class VllmDecode:
     def watch_health(self, setter: Any) -> None:
         self.supervisor.watch_health(setter)
 
+    def _block_bytes(self, llm: Any) -> int:
+        """Bytes of one KV block over all layers (keys and values): what vLLM's connector reads
+        per block id of a handoff."""
+        import torch
+
+        layers, heads, head_dim = self.planner.kv_dims()
+        itemsize = int(getattr(torch, self.planner.dtype).itemsize)
+        block_size = int(llm.vllm_config.cache_config.block_size)
+        return block_size * layers * 2 * heads * head_dim * itemsize
+
     def _check(self, request: decode_pb2.DecodeRequest) -> dict[str, Any]:
         kv, state = request.kv_cache, request.decode_state
         if not kv.HasField("paged"):
@@ -194,11 +204,21 @@ class VllmDecode:
         started = time.perf_counter()
         span = None
         try:
-            stream = llm.generate(prompt, params, request.request_id)
+            stream = llm.generate(
+                prompt, params, request.request_id, priority=runtime.engine_priority(request.priority)
+            )
             with stage("kv.transfer", "transfer", **{"epd.engine": "vllm"}) as transfer:
                 out = await next_output(stream, deadline)  # the blocks read and the first step run
                 blocks = sum(len(group.block_ids) for group in request.kv_cache.paged.groups)
                 transfer.set_attribute("epd.transfer.blocks", blocks)
+                record_transfer(
+                    transfer,
+                    nbytes=blocks * self._block_bytes(llm),
+                    seconds=time.perf_counter() - started,
+                    transport="nixl",
+                    peers=1,
+                    direction="prefill->decode",
+                )
             span = start_phase("decode.generate", **{"epd.stage": "decode", "epd.engine": "vllm"})
             while True:
                 if out.outputs[0].finish_reason == "error":

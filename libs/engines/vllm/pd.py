@@ -27,7 +27,7 @@ from libs.engines.api import Streamed
 from libs.engines.settings import EngineSettings
 from libs.engines.vllm import runtime
 from libs.engines.vllm.requests import RequestPlanner, failure_path
-from libs.engines.vllm.streams import EncoderAgents, next_output, raise_load_failure
+from libs.engines.vllm.streams import EncoderAgents, count_embedding_bytes, next_output, raise_load_failure
 from libs.engines.vllm.supervisor import EngineSupervisor
 from libs.serving.identity import model_identity
 from libs.telemetry.stages import record_duration, stage, start_phase
@@ -81,6 +81,7 @@ class VllmPrefillDecode:
         messages: Sequence[chat_pb2.ChatMessage],
         sampling: eng.SamplingParams,
         deadline: float | None,
+        priority: int = 0,
     ) -> AsyncIterator[Streamed]:
         planned = await asyncio.to_thread(self.planner.plan, request_id, messages, sampling, self._agents, deadline)
         params = runtime.sampling_params(sampling, self._default_max_tokens, planned.items)
@@ -91,11 +92,12 @@ class VllmPrefillDecode:
         started = time.perf_counter()
         span = None
         try:
-            stream = llm.generate(planned.prompt, params, request_id)
+            stream = llm.generate(planned.prompt, params, request_id, priority=runtime.engine_priority(priority))
             with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as prefill_span:
                 first = await next_output(stream, deadline)
                 prefill_span.set_attribute("epd.prompt_tokens", len(first.prompt_token_ids or ()))
             raise_load_failure(failure)  # before anything built on missing embeddings is streamed
+            count_embedding_bytes(planned.items)
             span = start_phase("decode.generate", **{"epd.stage": "decode", "epd.engine": "vllm"})
             out: Any = first
             while True:

@@ -28,7 +28,7 @@ from libs.engine import types as eng
 from libs.engines.settings import EngineSettings
 from libs.engines.vllm import runtime
 from libs.engines.vllm.requests import RequestPlanner, failure_path
-from libs.engines.vllm.streams import EncoderAgents, next_output, raise_load_failure
+from libs.engines.vllm.streams import EncoderAgents, count_embedding_bytes, next_output, raise_load_failure
 from libs.engines.vllm.supervisor import EngineSupervisor
 from libs.serving import convert
 from libs.serving.identity import model_identity
@@ -161,13 +161,16 @@ class VllmPrefill:
         out: Any = None
         handed = False
         try:
-            stream = llm.generate(planned.prompt, params, request.request_id)
+            stream = llm.generate(
+                planned.prompt, params, request.request_id, priority=runtime.engine_priority(request.priority)
+            )
             with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as span:
                 out = await next_output(stream, deadline)
                 while not out.finished:
                     out = await next_output(stream, deadline)
                 span.set_attribute("epd.prompt_tokens", len(out.prompt_token_ids or ()))
             raise_load_failure(failure)  # embeddings that could not be read: nothing built on them leaves
+            count_embedding_bytes(planned.items)
             response = self._response(request, planned.prompt["prompt_token_ids"], sampling, out)
             handed = response.HasField("kv_cache")
             if handed:

@@ -79,6 +79,11 @@ class ItemDescriptor:
     def tensor_handle(self) -> tensor_pb2.TensorHandle:
         return tensor_pb2.TensorHandle.FromString(base64.b64decode(self.handle))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the worker reads for this item (every tensor of the handle)."""
+        return sum(int(t.spec.nbytes) for t in self.tensor_handle().tensors)
+
     def expected(self) -> dict[str, ExpectedTensor]:
         return {name: ExpectedTensor(dtype, (self.rows, width)) for name, dtype, width in self.tensors}
 

@@ -83,7 +83,12 @@ def build_engine(
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_batch,
         seed=0,
-        disable_log_stats=True,
+        # EPD's priority (higher first) inside vLLM's scheduler too: requests waiting in vLLM (a
+        # full batch, a full KV cache) start by priority, and preemption picks the lowest.
+        scheduling_policy="priority",
+        # vLLM's scheduler gauges (vllm:kv_cache_usage_perc, vllm:num_requests_running/waiting, ...)
+        # land in prometheus_client's registry, which the service's /metrics serves (docs/tracing.md).
+        disable_log_stats=False,
     )
     if ec_consumer:
         args["ec_transfer_config"] = ECTransferConfig(
@@ -107,6 +112,11 @@ def build_engine(
         )
         args["worker_extension_cls"] = f"{KV_CONNECTOR_MODULE}.EpdKvWorkerExtension"
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+
+def engine_priority(priority: int) -> int:
+    """epd.v1's priority (higher is served first) as vLLM's (lower is scheduled first)."""
+    return -priority
 
 
 def split_seed(params: eng.SamplingParams, request_id: str) -> int | None:

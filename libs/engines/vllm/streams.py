@@ -13,7 +13,9 @@ from typing import Any
 
 from libs.contract.epd.v1 import service_info_pb2, tensor_pb2
 from libs.contract.errors import DeadlineExceeded, Unavailable, error_for
+from libs.engines.vllm.requests import ItemDescriptor
 from libs.serving.transport import MetadataResolver
+from libs.telemetry.stages import count_transfer
 from libs.transfer import PeerUnavailable
 
 
@@ -61,3 +63,10 @@ def raise_load_failure(path: Path) -> None:
 
     code = getattr(grpc.StatusCode, str(report.get("code", "UNAVAILABLE")), grpc.StatusCode.UNAVAILABLE)
     raise error_for(code, f"embedding read failed in the vLLM worker: {report.get('message', '')}", "items")
+
+
+def count_embedding_bytes(items: dict[str, ItemDescriptor]) -> None:
+    """The embeddings vLLM's worker read for a request (EC connector, over NIXL), in the same
+    byte counter as the reference engine's reads."""
+    if items:
+        count_transfer(sum(item.nbytes for item in items.values()), transport="nixl", direction="encoder->prefill")
