@@ -3,7 +3,9 @@ each its own process, contract 1.4 on the wire): the router transcribes each cli
 (Encode -> Prefill -> Decode per 30 s window, the next window's start from the previous window's
 timestamps) and streams exactly the tokens of WhisperForConditionalGeneration.generate() fed by
 WhisperProcessor, greedy - for two short utterances and one long-form (two-window) one, sent
-concurrently."""
+concurrently. The encoder cache and tracing serve Whisper as the other families: the same clip
+sent twice is encoded once, and each transcription's trace has its encode, prefill and decode
+phases and a row in `epd trace report`."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from libs.serving.speech import SPEECH_TRANSCRIPTION
 from tests.engine.whisper_staged import load_reference, reference_tokens
 from tests.release_tree import release_checkout
 from tests.services.conftest import run_requests
+from tests.services.test_encoder_cache import _counter
 from tests.speech_corpus import UTTERANCES, utterance
 
 pytestmark = pytest.mark.slow
@@ -155,3 +158,62 @@ def test_make_run_speech_demo(whisper_path: Path, tmp_path: Path) -> None:
     assert {"speech-short", "speech-long-form"} <= set(report)
     windows = [line for line in spans.read_text().splitlines() if '"epd.transcribe.window"' in line]
     assert len(windows) == 3  # one window for the short clip, two for the long one
+
+
+@pytest.mark.timeout(400)
+def test_same_clip_twice_is_a_cache_hit_and_traced(whisper_path: Path, tmp_path: Path) -> None:
+    """The same clip transcribed twice, one after the other, by a traced stack: both get generate()'s
+    tokens; the first encode computes the window (an `encoder.compute` span, one compute on the
+    encoder's counter), the second is a hit in the encoder's cache (no compute span, no second
+    compute, one more lookup); each trace holds the router's `epd.encode`, `epd.prefill` and
+    `epd.decode` phases inside one `epd.transcribe.window`, and `epd trace report` on the span file
+    prints a row per transcription with its tokens and a nonzero encode time for the first only."""
+    import urllib.request
+
+    from libs.launch.process import free_port
+    from libs.telemetry.report import breakdowns
+    from libs.telemetry.spans import by_trace, load_jsonl
+    from tests.services.test_cli import _run, _table
+
+    spans_file = tmp_path / "spans.jsonl"
+    port = free_port()
+    spec = StackSpec(
+        layout="e/p/d",
+        encoders=1,
+        model=whisper_path,
+        run_dir=tmp_path / "run",
+        env={"EPD_TRACE_EXPORTER": "jsonl", "EPD_TRACE_FILE": str(spans_file)},
+        extra_args={"encoder-0": ["--metrics-port", str(port)]},
+    )
+    clip = utterance(*UTTERANCES["medium"])
+    with Stack(spec).running() as stack:
+        results = [
+            run_requests(stack.address, [transcription_request(audio_item(clip), request_id=f"again-{i}")])[0]
+            for i in range(2)
+        ]
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    model, processor = load_reference(whisper_path)
+    expected = reference_tokens(model, processor, clip)
+    assert [r.token_ids for r in results] == [expected, expected]
+    assert _counter(metrics, "epd_cache_computes_total") == 1
+    assert _counter(metrics, "epd_cache_lookups_total") == 2
+
+    recorded = load_jsonl(spans_file)
+    rows = {b.request_id: b for b in breakdowns(recorded)}
+    assert set(rows) == {"again-0", "again-1"}
+    traces = by_trace(recorded)
+    for request_id, computes in (("again-0", 1), ("again-1", 0)):
+        names = [s.name for s in traces[rows[request_id].trace_id]]
+        assert names.count("epd.transcribe.window") == 1, request_id
+        assert all(names.count(phase) == 1 for phase in ("epd.encode", "epd.prefill", "epd.decode")), names
+        assert names.count("encoder.compute") == computes, request_id
+        assert rows[request_id].output_tokens == len(expected)
+    assert rows["again-0"].parts["encode"] > 0 and rows["again-1"].parts["encode"] == 0
+
+    done = _run(["trace", "report", "--file", str(spans_file)], cwd=tmp_path, timeout_s=120)
+    assert done.returncode == 0, done.stderr
+    columns, report = _table(done.stdout, "request ")
+    assert {"again-0", "again-1"} <= set(report)
+    assert all(int(report[r][-1]) == len(expected) for r in ("again-0", "again-1")), report
+    encode = columns.index("encode")
+    assert float(report["again-0"][encode]) > 0 and float(report["again-1"][encode]) == 0, done.stdout
