@@ -16,11 +16,12 @@ from libs.bench.load import LoadConfig, grpc_sender, run_load
 from libs.bench.mix import MixSpec, plan_requests
 from libs.bench.results import write_json
 from libs.bench.stats import RequestRecord, Slo, report
+from libs.cli.router_client import ADDRESS_FILE
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = sub.add_parser("bench", help="load-test a running stack: request mix, open/closed loop, SLO goodput")
-    bench.add_argument("--address", default="", help="router address (default: RUN_DIR/router.address)")
+    bench.add_argument("--address", default="", help=f"router address (default: RUN_DIR/{ADDRESS_FILE})")
     bench.add_argument("--run-dir", type=Path, default=Path("var/run/stack"))
     bench.add_argument("--mix", default="text=0.5,image=0.5", help="request mix spec (libs/bench/mix.py)")
     loop = bench.add_mutually_exclusive_group()
@@ -39,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def cmd_bench(ns: argparse.Namespace) -> int:
     from libs.client.generate import open_channel
 
-    address_file = ns.run_dir / "router.address"
+    address_file = ns.run_dir / ADDRESS_FILE
     address = ns.address or (address_file.read_text().strip() if address_file.exists() else "")
     if not address:
         print("epd bench: no --address and no running `epd up` stack", file=sys.stderr)

@@ -11,25 +11,23 @@ epd speech-demo                               # ... and then this (Whisper E/P/D
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
-import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from libs.client.generate import build_request, generate, media_from_file, open_channel
+from libs.cli.router_client import ADDRESS_FILE, UsageError, router_target, stream_to_stdout
+from libs.client.generate import build_request, media_from_file
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
 from libs.launch.config import DescriptionError, load_description, stack_spec
 from libs.launch.process import LaunchError
-from libs.launch.stack import CLIENT_TOKEN, LAYOUTS, TLS_DIR, Stack, StackSpec
+from libs.launch.stack import CLIENT_TOKEN, LAYOUTS, Stack, StackSpec
 from libs.launch.supervisor import Supervisor
 
 DEFAULT_MODEL = Path("var/models/qwen2_5_omni-tiny")
 DEFAULT_RUN_DIR = Path("var/run/stack")
-ADDRESS_FILE = "router.address"  # in the run directory, while `epd up` runs
 
 
 def ensure_model(path: Path) -> Path:
@@ -180,28 +178,11 @@ def _sampling(ns: argparse.Namespace) -> sampling_pb2.SamplingParams:
     return params
 
 
-def _client_security(ns: argparse.Namespace) -> tuple[bytes | None, str | None]:
-    """The router's CA and the bearer token: from flags / EPD_TOKEN, else from an `epd up --tls` run dir."""
-    tls_dir = ns.run_dir / TLS_DIR
-    ca_path = ns.tls_ca or (tls_dir / "ca.pem" if not ns.address and (tls_dir / "ca.pem").exists() else None)
-    token_path = ns.token_file or (tls_dir / CLIENT_TOKEN if ca_path and (tls_dir / CLIENT_TOKEN).exists() else None)
-    token = os.environ.get("EPD_TOKEN") or (token_path.read_text().strip() if token_path else None)
-    return (ca_path.read_bytes() if ca_path else None), token
-
-
 def cmd_generate(ns: argparse.Namespace) -> int:
-    address_file = ns.run_dir / ADDRESS_FILE
-    address = ns.address or (address_file.read_text().strip() if address_file.exists() else "")
-    if not address:
-        print(f"epd generate: no --address and no running `epd up` stack in {ns.run_dir}", file=sys.stderr)
-        return 2
     try:
-        tls_ca, token = _client_security(ns)
-    except OSError as exc:
+        target = router_target(ns)
+    except UsageError as exc:
         print(f"epd generate: {exc}", file=sys.stderr)
-        return 2
-    if token and tls_ca is None:
-        print("epd generate: a token is only sent over TLS; give --tls-ca", file=sys.stderr)
         return 2
     files = [(p, media_pb2.MODALITY_IMAGE) for p in ns.image or []]
     files += [(p, media_pb2.MODALITY_VIDEO) for p in ns.video or []]
@@ -212,27 +193,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         return 2
     media = [media_from_file(p, modality) for p, modality in files]
     request = build_request(ns.prompt, media, sampling=_sampling(ns))
-
-    async def run() -> int:
-        import grpc
-
-        async with open_channel(address, tls_ca=tls_ca, token=token) as channel:
-            try:
-                result = await generate(
-                    channel, request, timeout_s=ns.timeout, on_text=lambda t: print(t, end="", flush=True)
-                )
-            except grpc.aio.AioRpcError as exc:
-                print(f"\nepd generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
-                return 1
-        print()
-        print(
-            f"[{result.request_id}] {result.completion_tokens} tokens, {result.finish_reason}, "
-            f"ttft {result.ttft_s * 1000:.1f} ms, total {result.total_s * 1000:.1f} ms",
-            file=sys.stderr,
-        )
-        return 0
-
-    return asyncio.run(run())
+    return stream_to_stdout("epd generate", target, request, ns.timeout, first="ttft")
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:

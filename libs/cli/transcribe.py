@@ -7,61 +7,31 @@ epd transcribe speech.wav [--timestamps]                  # its transcript
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
-from libs.client.generate import generate, media_from_file, open_channel
+from libs.cli.router_client import ADDRESS_FILE, UsageError, router_target, stream_to_stdout
+from libs.client.generate import media_from_file
 from libs.client.transcribe import transcription_request
 from libs.contract.epd.v1 import media_pb2
 
 
 def cmd_transcribe(ns: argparse.Namespace) -> int:
-    from libs.cli.main import ADDRESS_FILE, _client_security  # the same resolution as `epd generate`
-
-    address_file = ns.run_dir / ADDRESS_FILE
-    address = ns.address or (address_file.read_text().strip() if address_file.exists() else "")
-    if not address:
-        print(f"epd transcribe: no --address and no running `epd up` stack in {ns.run_dir}", file=sys.stderr)
+    try:
+        target = router_target(ns)  # the same resolution as `epd generate`
+    except UsageError as exc:
+        print(f"epd transcribe: {exc}", file=sys.stderr)
         return 2
     if not ns.file.is_file():
         print(f"epd transcribe: no such file: {ns.file}", file=sys.stderr)
         return 2
-    try:
-        tls_ca, token = _client_security(ns)
-    except OSError as exc:
-        print(f"epd transcribe: {exc}", file=sys.stderr)
-        return 2
-    if token and tls_ca is None:
-        print("epd transcribe: a token is only sent over TLS; give --tls-ca", file=sys.stderr)
-        return 2
     audio = media_from_file(ns.file, media_pb2.MODALITY_AUDIO)
     request = transcription_request(audio, timestamps=ns.timestamps, max_tokens=ns.max_tokens)
-
-    async def run() -> int:
-        import grpc
-
-        async with open_channel(address, tls_ca=tls_ca, token=token) as channel:
-            try:
-                result = await generate(
-                    channel, request, timeout_s=ns.timeout, on_text=lambda t: print(t, end="", flush=True)
-                )
-            except grpc.aio.AioRpcError as exc:
-                print(f"\nepd transcribe: {exc.code().name}: {exc.details()}", file=sys.stderr)
-                return 1
-        print()
-        print(
-            f"[{result.request_id}] {result.completion_tokens} tokens, {result.finish_reason}, "
-            f"first text {result.ttft_s * 1000:.1f} ms, total {result.total_s * 1000:.1f} ms",
-            file=sys.stderr,
-        )
-        return 0
-
-    return asyncio.run(run())
+    return stream_to_stdout("epd transcribe", target, request, ns.timeout, first="first text")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from libs.cli.main import ADDRESS_FILE, DEFAULT_RUN_DIR
+    from libs.cli.main import DEFAULT_RUN_DIR
 
     p = sub.add_parser("transcribe", help="transcribe an audio file through a running Whisper stack")
     p.add_argument("file", type=Path, help="audio file (WAV, FLAC, MP3, ...)")
