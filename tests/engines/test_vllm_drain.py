@@ -26,7 +26,6 @@ from libs.contract.epd.v1 import (
     decode_pb2_grpc,
     generate_pb2_grpc,
     prefill_pb2,
-    prefill_pb2_grpc,
     sampling_pb2,
     tensor_pb2,
 )
@@ -37,6 +36,8 @@ from libs.rpc.server import open_channel
 from tests.engines.vllm_stack import (
     TokenStream,
     call,
+    call_prefill,
+    handoff,
     mixes,
     probe_until_refused,
     request,
@@ -89,24 +90,11 @@ def _prefill_request(n: int, max_tokens: int = TOKENS) -> prefill_pb2.PrefillReq
     )
 
 
-async def _prefill(address: str, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
-    async with open_channel(address) as channel:
-        stub = prefill_pb2_grpc.PrefillServiceStub(channel)
-        reply: prefill_pb2.PrefillResponse = await stub.Prefill(req, timeout=120)
-        return reply
-
-
-def _decode_request(req: prefill_pb2.PrefillRequest, first: prefill_pb2.PrefillResponse) -> decode_pb2.DecodeRequest:
-    return decode_pb2.DecodeRequest(
-        request_id=req.request_id, kv_cache=first.kv_cache, decode_state=first.decode_state, sampling=req.sampling
-    )
-
-
 async def _undisturbed_handoff(prefill: str, decode: str, n: int) -> list[int]:
     req = _prefill_request(n)
-    first = await _prefill(prefill, req)
+    first = await call_prefill(prefill, req)
     async with open_channel(decode) as channel:
-        rest = TokenStream(decode_pb2_grpc.DecodeServiceStub(channel).Decode(_decode_request(req, first), timeout=120))
+        rest = TokenStream(decode_pb2_grpc.DecodeServiceStub(channel).Decode(handoff(req, first), timeout=120))
         return list(first.first_chunk.token_ids) + await rest.run()
 
 
@@ -127,7 +115,7 @@ async def _prefill_drains(stack: Stack) -> dict[str, object]:
         at_signal = [len(s.tokens) for s in streams]
         assert all(n < TOKENS for n in at_signal), at_signal  # in flight at the signal
         await until_draining(prefill.address)
-        probes = await probe_until_refused(lambda: _prefill(prefill.address, _prefill_request(99, max_tokens=1)))
+        probes = await probe_until_refused(lambda: call_prefill(prefill.address, _prefill_request(99, max_tokens=1)))
         finished = await asyncio.gather(*done)
     # The streams are done; the handoffs are not read yet: prefill must still hold their blocks.
     leases = (await stats(prefill.address)).pool.active_leases
@@ -142,7 +130,7 @@ async def _decode_drains(
     async with open_channel(decode.address) as channel:
         stub = decode_pb2_grpc.DecodeServiceStub(channel)
         streams = [
-            TokenStream(stub.Decode(_decode_request(req, first), timeout=300))
+            TokenStream(stub.Decode(handoff(req, first), timeout=300))
             for req, first in zip(reqs, handoffs, strict=True)
         ]
         done = [asyncio.ensure_future(s.run()) for s in streams]
@@ -187,7 +175,7 @@ def test_prefill_then_decode_drain_with_streams_and_held_kv_blocks(stack: Stack)
     assert all(len(tokens) == TOKENS for tokens in [*streamed.values(), *handed])
 
     reqs = [_prefill_request(n) for n in range(HANDOFFS)]
-    handoffs = [run(_prefill, address["prefill"], req) for req in reqs]  # blocks held for decode, under lease
+    handoffs = [run(call_prefill, address["prefill"], req) for req in reqs]  # blocks held for decode, under lease
     assert all(h.kv_cache.HasField("paged") for h in handoffs)
 
     first = asyncio.run(_prefill_drains(stack))

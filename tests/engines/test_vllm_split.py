@@ -28,7 +28,6 @@ from libs.contract.epd.v1 import (
     decode_pb2_grpc,
     layout_pb2,
     prefill_pb2,
-    prefill_pb2_grpc,
     sampling_pb2,
     service_info_pb2,
     service_info_pb2_grpc,
@@ -40,8 +39,10 @@ from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
 from tests.engines.vllm_stack import (
     call,
+    call_prefill,
     cancel_after_chunks,
     encode_image,
+    handoff,
     health,
     mixes,
     reference_tokens,
@@ -70,19 +71,6 @@ def _prefill_request(encoded: layout_pb2.EncodedMedia | None, max_tokens: int = 
         messages=[chat_pb2.ChatMessage(role=chat_pb2.CHAT_ROLE_USER, parts=parts)],
         sampling=sampling_pb2.SamplingParams(max_tokens=max_tokens),
         accepted_kv_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
-    )
-
-
-async def _prefill(address: str, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
-    async with open_channel(address) as channel:
-        stub = prefill_pb2_grpc.PrefillServiceStub(channel)
-        reply: prefill_pb2.PrefillResponse = await stub.Prefill(req, timeout=120)
-        return reply
-
-
-def _decode_request(req: prefill_pb2.PrefillRequest, first: prefill_pb2.PrefillResponse) -> decode_pb2.DecodeRequest:
-    return decode_pb2.DecodeRequest(
-        request_id=req.request_id, kv_cache=first.kv_cache, decode_state=first.decode_state, sampling=req.sampling
     )
 
 
@@ -153,7 +141,7 @@ def test_the_handoff_is_typed_and_a_lease_of_prefill(vllm_split_stack: Stack) ->
     address = _addresses(vllm_split_stack)
     encoded = run(encode_image, address["encoder-0"], synthetic.png_bytes(84, 56, seed=5))
     req = _prefill_request(encoded)
-    first = run(_prefill, address["prefill"], req)
+    first = run(call_prefill, address["prefill"], req)
     paged = first.kv_cache.paged
     assert not first.kv_cache.HasField("handle")
     assert paged.producer_address == address["prefill"] and paged.lease_id == paged.engine_request_id
@@ -165,7 +153,7 @@ def test_the_handoff_is_typed_and_a_lease_of_prefill(vllm_split_stack: Stack) ->
     assert list(prompt.items) == [encoded.layout]  # the layout, no handle: decode reads no embedding
     assert len(prompt.token_ids) == first.decode_state.prompt_tokens - encoded.layout.placeholder_token_count + 1
     assert run(stats, address["prefill"]).pool.active_leases == 1  # held for decode
-    rest = run(_decode, address["decode"], _decode_request(req, first))
+    rest = run(_decode, address["decode"], handoff(req, first))
     assert len(first.first_chunk.token_ids) + len(rest) == 6
     _wait_empty(vllm_split_stack)  # decode's read acked the lease: prefill freed the blocks
     assert run(stats, address["prefill"]).pool.acked_leases >= 1
@@ -174,12 +162,12 @@ def test_the_handoff_is_typed_and_a_lease_of_prefill(vllm_split_stack: Stack) ->
 def test_a_stale_handoff_is_refused_typed(vllm_split_stack: Stack, expected: dict[str, list[int]]) -> None:
     address = _addresses(vllm_split_stack)
     req = _prefill_request(None)
-    first = run(_prefill, address["prefill"], req)
-    expired = _decode_request(req, first)
+    first = run(call_prefill, address["prefill"], req)
+    expired = handoff(req, first)
     expired.kv_cache.paged.lease_expire_time.FromSeconds(int(time.time()) - 1)
     code, details = _status(_decode, address["decode"], expired)
     assert code == grpc.StatusCode.NOT_FOUND and "expired" in details, (code, details)
-    restarted = _decode_request(req, first)  # what a handoff from before a prefill restart names
+    restarted = handoff(req, first)  # what a handoff from before a prefill restart names
     restarted.kv_cache.paged.engine_id = "epd-prefill-000000000000"
     code, details = _status(_decode, address["decode"], restarted)
     assert code == grpc.StatusCode.NOT_FOUND and "could not read the KV cache" in details, (code, details)
@@ -195,7 +183,7 @@ def test_a_missing_embedding_fails_prefill_and_the_engine_lives(
     address = _addresses(vllm_split_stack)
     encoded = run(encode_image, address["encoder-0"], synthetic.png_bytes(56, 84, seed=9))
     run(release, address["encoder-0"], [encoded.embeddings.lease_id])  # freed (and poisoned): the READ must fail
-    code, details = _status(_prefill, address["prefill"], _prefill_request(encoded))
+    code, details = _status(call_prefill, address["prefill"], _prefill_request(encoded))
     assert code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE), (code, details)
     assert "embedding" in details
     assert run(health, address["prefill"]) == health_pb2.HealthCheckResponse.SERVING
@@ -211,8 +199,8 @@ def test_cancel_mid_stream_frees_prefill_decode_and_the_leases(vllm_split_stack:
 def test_a_deadline_mid_stream_ends_typed_and_frees_everything(vllm_split_stack: Stack) -> None:
     address = _addresses(vllm_split_stack)
     req = _prefill_request(None, max_tokens=400)
-    first = run(_prefill, address["prefill"], req)
-    code, details = _status(_decode, address["decode"], _decode_request(req, first), 0.5)
+    first = run(call_prefill, address["prefill"], req)
+    code, details = _status(_decode, address["decode"], handoff(req, first), 0.5)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (code, details)
     _wait_empty(vllm_split_stack)  # vLLM aborted the sequence; the read (or the abort) freed prefill's blocks
 
@@ -255,7 +243,7 @@ def test_killed_engines_fail_requests_unavailable_then_restart(
     deadline = time.monotonic() + 30
     code = grpc.StatusCode.OK
     while time.monotonic() < deadline and code != grpc.StatusCode.UNAVAILABLE:
-        code = _status(_prefill, services["prefill"].address, _prefill_request(None))[0]
+        code = _status(call_prefill, services["prefill"].address, _prefill_request(None))[0]
     assert code == grpc.StatusCode.UNAVAILABLE
     for name, process in services.items():
         deadline = time.monotonic() + 10  # the supervisors poll their engines twice a second

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from libs.client.generate import GenerationResult, build_request, generate, open_channel
 from libs.contract.epd.v1 import (
+    decode_pb2,
     encoder_pb2,
     encoder_pb2_grpc,
     generate_pb2_grpc,
@@ -22,6 +23,8 @@ from libs.contract.epd.v1 import (
     lease_pb2,
     lease_pb2_grpc,
     media_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
     sampling_pb2,
     stats_pb2,
     stats_pb2_grpc,
@@ -125,6 +128,22 @@ async def encode_image(address: str, data: bytes) -> layout_pb2.EncodedMedia:
         )
     encoded: layout_pb2.EncodedMedia = reply.items[0]
     return encoded
+
+
+async def call_prefill(address: str, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+    """One Prefill call straight to a prefill service (E/P/D on vLLM)."""
+    async with open_channel(address) as channel:
+        reply: prefill_pb2.PrefillResponse = await prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(
+            req, timeout=120
+        )
+        return reply
+
+
+def handoff(req: prefill_pb2.PrefillRequest, first: prefill_pb2.PrefillResponse) -> decode_pb2.DecodeRequest:
+    """The Decode request continuing `req` from prefill's answer (its KV handoff and state)."""
+    return decode_pb2.DecodeRequest(
+        request_id=req.request_id, kv_cache=first.kv_cache, decode_state=first.decode_state, sampling=req.sampling
+    )
 
 
 async def release(address: str, lease_ids: list[str]) -> int:
