@@ -165,12 +165,15 @@ async def _drained(pd: PdService, texts: list[str]) -> tuple[list[int], list[str
         reqs = [_request(f"drain-{i}", text, DRAINED_TOKENS) for i, text in enumerate(texts)]
         streams = [TokenStream(stub.PrefillDecode(req, timeout=240)) for req in reqs]
         done = [asyncio.ensure_future(s.run()) for s in streams]
+        seen: list[int] = []
         for _ in range(1000):  # bounded: until the service admitted all of them
-            if (await stats(pd.address)).requests_in_flight == len(texts):
+            seen.append((await stats(pd.address)).requests_in_flight)
+            if seen[-1] == len(texts):
                 break
             await asyncio.sleep(0.01)
         else:
-            raise AssertionError("the service never had all the requests in flight")
+            ended = [repr(d.exception() or d.result()) for d in done if d.done()]
+            raise AssertionError(f"never all in flight: in flight {sorted(set(seen))}; ended {ended}")
         # One runs (whichever vLLM took first), the others wait inside vLLM (one slot).
         firsts = [asyncio.ensure_future(s.first.wait()) for s in streams]
         await asyncio.wait(firsts, timeout=120, return_when=asyncio.FIRST_COMPLETED)
