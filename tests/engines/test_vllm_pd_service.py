@@ -39,7 +39,7 @@ from tests.engines.vllm_stack import (
 pytestmark = pytest.mark.slow
 ADMITTED = 6  # the filler and the requests queued behind it, all inside vLLM
 ARRIVALS = [("low-1", -10), ("low-2", -10), ("high", 50), ("default", 0)]
-DRAINED_TOKENS = 96  # each request of the drain test: all three in flight at the signal
+DRAINED_TOKENS = 256  # each request of the drain test: all three in flight at the signal
 
 
 class PdService:
@@ -162,18 +162,22 @@ def test_requests_waiting_in_vllm_are_scheduled_by_priority_then_arrival(pd: PdS
 async def _drained(pd: PdService, texts: list[str]) -> tuple[list[int], list[str], list[list[int]]]:
     async with open_channel(pd.address) as channel:
         stub = prefill_decode_pb2_grpc.PrefillDecodeServiceStub(channel)
-        reqs = [_request(f"drain-{i}", text, DRAINED_TOKENS) for i, text in enumerate(texts)]
-        streams = [TokenStream(stub.PrefillDecode(req, timeout=240)) for req in reqs]
-        done = [asyncio.ensure_future(s.run()) for s in streams]
-        seen: list[int] = []
-        for _ in range(1000):  # bounded: until the service admitted all of them
-            seen.append((await stats(pd.address)).requests_in_flight)
-            if seen[-1] == len(texts):
-                break
-            await asyncio.sleep(0.01)
-        else:
-            ended = [repr(d.exception() or d.result()) for d in done if d.done()]
-            raise AssertionError(f"never all in flight: in flight {sorted(set(seen))}; ended {ended}")
+        streams: list[TokenStream] = []
+        done: list[asyncio.Future[list[int]]] = []
+        for i, text in enumerate(texts):  # one at a time, each admitted before the next is sent
+            streams.append(TokenStream(stub.PrefillDecode(_request(f"drain-{i}", text, DRAINED_TOKENS), timeout=240)))
+            done.append(asyncio.ensure_future(streams[-1].run()))
+            seen: list[int] = []
+            for _ in range(1000):  # bounded
+                seen.append((await stats(pd.address)).requests_in_flight)
+                if seen[-1] == i + 1:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                ended = [repr(d.exception() or d.result()) for d in done if d.done()]
+                raise AssertionError(
+                    f"request {i} not admitted beside the others: in flight {sorted(set(seen))}; {ended}"
+                )
         # One runs (whichever vLLM took first), the others wait inside vLLM (one slot).
         firsts = [asyncio.ensure_future(s.first.wait()) for s in streams]
         await asyncio.wait(firsts, timeout=120, return_when=asyncio.FIRST_COMPLETED)
