@@ -194,7 +194,7 @@ def test_killed_engine_fails_requests_unavailable_then_restarts(
 
 
 DRAINED = ["image", "audio", "text"]  # streaming through the router at the PD's signal
-DRAINED_TOKENS = 64
+DRAINED_TOKENS = 1024  # far longer than the other streams take to start: all three still streaming at the signal
 
 
 async def _pd_drains(stack: Stack) -> tuple[list[int], list[str], list[list[int]]]:

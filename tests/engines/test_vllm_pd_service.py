@@ -39,7 +39,7 @@ from tests.engines.vllm_stack import (
 pytestmark = pytest.mark.slow
 ADMITTED = 6  # the filler and the requests queued behind it, all inside vLLM
 ARRIVALS = [("low-1", -10), ("low-2", -10), ("high", 50), ("default", 0)]
-DRAINED_TOKENS = 256  # each request of the drain test: all three in flight at the signal
+DRAINED_TOKENS = 512  # each request of the drain test: all three in flight at the signal
 
 
 class PdService:
