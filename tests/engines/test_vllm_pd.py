@@ -194,7 +194,7 @@ def test_killed_engine_fails_requests_unavailable_then_restarts(
 
 
 DRAINED = ["image", "audio", "text"]  # streaming through the router at the PD's signal
-DRAINED_TOKENS = 1024  # far longer than the other streams take to start: all three still streaming at the signal
+DRAINED_TOKENS = 1024  # far longer than the other streams take to start: all three in flight at once
 
 
 async def _pd_drains(stack: Stack) -> tuple[list[int], list[str], list[list[int]]]:
@@ -204,7 +204,14 @@ async def _pd_drains(stack: Stack) -> tuple[list[int], list[str], list[list[int]
         reqs = [request(MIXES[n], max_tokens=DRAINED_TOKENS) for n in DRAINED]
         streams = [TokenStream(stub.Generate(req, timeout=240)) for req in reqs]
         done = [asyncio.ensure_future(s.run()) for s in streams]
-        await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 120)
+        # Signalled once the PD itself has all three in flight: the client's token counts lag it
+        # (a fast PD can write a whole short stream into the transport before the client reads one).
+        for _ in range(12_000):  # bounded: 120 s
+            if (await stats(pd.address)).requests_in_flight == len(reqs):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the PD never had the three streams in flight together")
         assert pd.process is not None
         pd.process.send_signal(signal.SIGTERM)
         at_signal = [len(s.tokens) for s in streams]
