@@ -194,7 +194,7 @@ def test_killed_engine_fails_requests_unavailable_then_restarts(
 
 
 DRAINED = ["image", "audio", "text"]  # streaming through the router at the PD's signal
-DRAINED_TOKENS = 1024  # far longer than the other streams take to start: all three in flight at once
+DRAINED_TOKENS = 2048  # far longer than the other streams take to start, and than the probes after the signal
 
 
 async def _pd_drains(stack: Stack) -> tuple[list[int], list[str], list[list[int]]]:
@@ -202,7 +202,7 @@ async def _pd_drains(stack: Stack) -> tuple[list[int], list[str], list[list[int]
     async with open_channel(stack.address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         reqs = [request(MIXES[n], max_tokens=DRAINED_TOKENS) for n in DRAINED]
-        streams = [TokenStream(stub.Generate(req, timeout=240)) for req in reqs]
+        streams = [TokenStream(stub.Generate(req, timeout=600)) for req in reqs]
         done = [asyncio.ensure_future(s.run()) for s in streams]
         # Signalled once the PD itself has all three in flight: the client's token counts lag it
         # (a fast PD can write a whole short stream into the transport before the client reads one).
@@ -222,7 +222,8 @@ async def _pd_drains(stack: Stack) -> tuple[list[int], list[str], list[list[int]
 
 def test_sigterm_drains_streams_in_flight_then_exits(vllm_epd_stack: Stack) -> None:
     undisturbed = [
-        call(vllm_epd_stack.address, request(MIXES[n], max_tokens=DRAINED_TOKENS)).token_ids for n in DRAINED
+        call(vllm_epd_stack.address, request(MIXES[n], max_tokens=DRAINED_TOKENS), timeout_s=600).token_ids
+        for n in DRAINED
     ]
     _wait_empty(vllm_epd_stack)
     at_signal, probes, finished = asyncio.run(_pd_drains(vllm_epd_stack))
