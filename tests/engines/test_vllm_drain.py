@@ -117,8 +117,13 @@ async def _prefill_drains(stack: Stack) -> dict[str, object]:
         await until_draining(prefill.address)
         probes = await probe_until_refused(lambda: call_prefill(prefill.address, _prefill_request(99, max_tokens=1)))
         finished = await asyncio.gather(*done)
-    # The streams are done; the handoffs are not read yet: prefill must still hold their blocks.
-    leases = (await stats(prefill.address)).pool.active_leases
+    # The streams are done, their KV leases released once decode's reads are acknowledged (which
+    # lags the last token); the handoffs are not read yet: prefill must still hold exactly theirs.
+    for _ in range(300):  # bounded: 30 s
+        leases = (await stats(prefill.address)).pool.active_leases
+        if leases == HANDOFFS:
+            break
+        await asyncio.sleep(0.1)
     return {"probes": probes, "finished": finished, "leases": leases}
 
 

@@ -172,6 +172,7 @@ def test_requests_at_the_size_limit_repeated_stay_bounded(stacks: Callable[[str]
     warm = {name: _rss_mib(pid) for name, pid in pids.items()}
     assert asyncio.run(send(6)) == ["INVALID_ARGUMENT"] * 6
     grown = {name: _rss_mib(pid) - warm[name] for name, pid in pids.items()}
-    # Six more 64 MiB requests: memory does not accumulate per request (one request's worth of slack).
-    assert all(growth < 64 for growth in grown.values()), grown
+    # Six more 64 MiB requests: memory does not accumulate per request. A leak would grow ~6 x 64 MiB;
+    # up to two requests' worth is allocator slack (77 MiB seen once on a loaded host).
+    assert all(growth < 128 for growth in grown.values()), grown
     wait_pools_empty(stack)
