@@ -156,6 +156,9 @@ def _check_ranges(settings: Any) -> None:
         port = getattr(settings, name, 0)
         if not 0 <= port <= 65535:
             raise SettingsError(f"{flag_name(name)}: {port} is not a TCP port")
+    chunk = getattr(settings, "prefill_chunk_tokens", 1)
+    if chunk < 1:
+        raise SettingsError(f"{flag_name('prefill_chunk_tokens')}: {chunk} is not a positive number of tokens")
 
 
 def main_settings(cls: type[T], prog: str) -> T:

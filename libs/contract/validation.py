@@ -136,10 +136,11 @@ def validate_media_item(item: media_pb2.MediaItem, path: str, limits: Limits) ->
     if source is None:
         raise _fail(f"{path}.source", "one of data or uri is required")
     if source == "data":
-        if not item.data:
+        size = len(item.data)  # each read of a bytes field copies it out of the message: read once
+        if not size:
             raise _fail(f"{path}.data", "must not be empty")
-        if len(item.data) > limits.max_inline_media_bytes:
-            raise _fail(f"{path}.data", f"is {len(item.data)} bytes; the limit is {limits.max_inline_media_bytes}")
+        if size > limits.max_inline_media_bytes:
+            raise _fail(f"{path}.data", f"is {size} bytes; the limit is {limits.max_inline_media_bytes}")
     else:
         if not item.uri:
             raise _fail(f"{path}.uri", "must not be empty")

@@ -6,6 +6,8 @@ thread (`encoder.preprocess` + `encoder.compute`), prefill's engine time (`epd.e
 `prefill.compute`: chunks run, waits excluded; else the span), prompt and output tokens, the decode
 inter-token time, and the fixed part of TTFT: hops, bookkeeping and transfers (`rpc`, `service`,
 `router`, `transfer`, `other` of the attribution), which no queue in the model lengthens.
+Decode: each request's steps, their mean engine time and mean batch size (`epd.decode.*` on
+`decode.generate`); a step's cost is fitted as a line in its batch size over all requests.
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ class RequestProfile:
     inter_token_s: float
     fixed_s: float  # part of TTFT no modelled queue affects
     ttft_s: float
+    decode_steps: int = 0  # decode steps the sequence took part in
+    step_engine_s: float = 0.0  # their mean engine time
+    batch_mean: float = 0.0  # their mean batch size
 
 
 @dataclass
 class Profile:
     layout: str
     requests: list[RequestProfile] = field(default_factory=list)
+    chunk_tokens: int = 256  # prompt tokens per prefill chunk of the measured services
 
     def of_kind(self, kind: str) -> list[RequestProfile]:
         return [r for r in self.requests if r.kind == kind]
@@ -49,6 +55,20 @@ class Profile:
         ones least stretched by prefill chunks sharing the engine thread)."""
         gaps = sorted(r.inter_token_s for r in self.requests if r.inter_token_s > 0)
         return gaps[len(gaps) // 10] if gaps else 0.02
+
+    def step_cost(self) -> tuple[float, float] | None:
+        """(base, per sequence): a decode step with a batch of b costs base + per_sequence * b
+        seconds, fitted by least squares (weighted by steps) to the requests' mean step engine
+        times and batch sizes; None without steps at two or more batch sizes."""
+        points = [(r.batch_mean, r.step_engine_s, r.decode_steps) for r in self.requests if r.decode_steps > 0]
+        weight = sum(w for _, _, w in points)
+        if not points or max(b for b, _, _ in points) - min(b for b, _, _ in points) < 0.5:
+            return None
+        mean_b = sum(b * w for b, _, w in points) / weight
+        mean_s = sum(s * w for _, s, w in points) / weight
+        spread = sum(w * (b - mean_b) ** 2 for b, _, w in points)
+        slope = max(0.0, sum(w * (b - mean_b) * (s - mean_s) for b, s, w in points) / spread)
+        return max(0.0, mean_s - slope * mean_b), slope
 
     def summary(self) -> dict[str, dict[str, float]]:
         out = {}
@@ -76,6 +96,7 @@ def profile(spans: Iterable[SpanRecord]) -> Profile:
     traces = by_trace(spans)
     out: list[RequestProfile] = []
     layouts: list[str] = []
+    chunk_sizes: list[int] = []
     for item in breakdowns(spans):
         trace = traces[item.trace_id]
         children: dict[str, list[SpanRecord]] = {}
@@ -98,6 +119,9 @@ def profile(spans: Iterable[SpanRecord]) -> Profile:
         decode = next((s for s in trace if s.name == "decode.generate"), None)
         kind = modalities[0].removeprefix("MODALITY_").lower() if modalities else "text"
         layouts.append(_layout(set(item.services)))
+        if "epd.prefill.chunk_tokens" in prefill.attributes:
+            chunk_sizes.append(int(prefill.attributes["epd.prefill.chunk_tokens"]))
+        steps = decode.attributes if decode else {}
         out.append(
             RequestProfile(
                 kind=kind,
@@ -109,7 +133,11 @@ def profile(spans: Iterable[SpanRecord]) -> Profile:
                 inter_token_s=float(decode.attributes.get("epd.decode.inter_token_s", 0.0)) if decode else 0.0,
                 fixed_s=sum(item.parts[c] for c in FIXED),
                 ttft_s=item.ttft_s,
+                decode_steps=int(steps.get("epd.decode.steps", 0)),
+                step_engine_s=float(steps.get("epd.decode.step_engine_s", 0.0)),
+                batch_mean=float(steps.get("epd.decode.batch_mean", 0.0)),
             )
         )
     layout = max(set(layouts), key=layouts.count) if layouts else "e+pd"
-    return Profile(layout, out)
+    chunk = max(set(chunk_sizes), key=chunk_sizes.count) if chunk_sizes else 256  # before it was recorded
+    return Profile(layout, out, chunk)

@@ -5,7 +5,9 @@ Each instance is one engine thread (a priority queue, as `libs.serving.engine_lo
 - a prefill (E/P/D) or PD (E+PD) instance runs prefill in chunks of `chunk_tokens`, each queued by
   its remaining tokens (shortest remaining first); a PD instance also runs its decode batch, one
   step at priority 0 whenever sequences are active; an E/P/D decode instance runs only steps;
-- a decode step for a batch of b costs `step_s * (1 + batch_cost * (b - 1))`;
+- a decode step for a batch of b costs what the profile measured (`Profile.step_cost`: a line in
+  b fitted to the engine time of measured steps), else `step_s * (1 + batch_cost * (b - 1))`;
+- prefill chunks are the measured services' (`Profile.chunk_tokens`) unless given;
 - hops, bookkeeping and transfers are a fixed delay per request (sampled with it), before its first
   token.
 A request is one measured request of its kind, resampled: its items' encode times, its prefill time
@@ -92,15 +94,16 @@ class Simulation:
         profile: Profile,
         layout: Layout,
         *,
-        chunk_tokens: int = 256,
+        chunk_tokens: int | None = None,
         batch_cost: float = 0.08,
         seed: int = 0,
     ) -> None:
         self.profile = profile
         self.layout = layout
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens = chunk_tokens or profile.chunk_tokens
         self.batch_cost = batch_cost
         self.step_s = profile.decode_step_s()
+        self.step_fit = profile.step_cost()
         self.rng = random.Random(seed)
         self.env = simpy.Environment()
         self.encoders = [_Engine(self.env) for _ in range(layout.encoders)]
@@ -161,8 +164,7 @@ class Simulation:
             if not engine.active:
                 engine.wake = self.env.event()
                 yield engine.wake
-            batch = len(engine.active)
-            yield self.env.process(engine.run(self.step_s * (1 + self.batch_cost * (batch - 1)), 0))
+            yield self.env.process(engine.run(self._step_cost(len(engine.active)), 0))
             for rid in list(engine.active):
                 left, done = engine.active[rid]
                 if left <= 1:
@@ -170,6 +172,12 @@ class Simulation:
                     done.succeed()
                 else:
                     engine.active[rid][0] = left - 1
+
+    def _step_cost(self, batch: int) -> float:
+        if self.step_fit is not None:
+            base, per_sequence = self.step_fit
+            return base + per_sequence * batch
+        return self.step_s * (1 + self.batch_cost * (batch - 1))
 
     # --- arrivals ------------------------------------------------------------------------------
 

@@ -68,6 +68,14 @@ def check_embedding_specs(
             )
 
 
+def _same_incarnation(info: service_info_pb2.ServiceInfo, instance_id: str | None) -> bool:
+    """Whether `instance_id` names the incarnation `info` describes: the process's own id, or the
+    id of one of its NIXL agents (what tensor handles carry). None: any."""
+    if instance_id is None or instance_id == info.instance_id:
+        return True
+    return any(t.HasField("nixl") and t.nixl.instance_id == instance_id for t in info.transports)
+
+
 class PeerDirectory:
     """Channels to peers and their checked service info (use from one event loop)."""
 
@@ -94,13 +102,14 @@ class PeerDirectory:
     async def info(
         self, address: str, *, instance_id: str | None = None, refresh: bool = False
     ) -> service_info_pb2.ServiceInfo:
-        """The checked service info of `address`; re-read when `instance_id` differs from the cached one."""
+        """The checked service info of `address`; re-read when `instance_id` (the process's or its
+        NIXL agent's, as a tensor handle names it) is not the cached incarnation's."""
         cached = self._infos.get(address)
-        if cached is not None and not refresh and instance_id in (None, cached.instance_id):
+        if cached is not None and not refresh and _same_incarnation(cached, instance_id):
             return cached
         async with self._locks.setdefault(address, asyncio.Lock()):
             cached = self._infos.get(address)
-            if cached is not None and not refresh and instance_id in (None, cached.instance_id):
+            if cached is not None and not refresh and _same_incarnation(cached, instance_id):
                 return cached
             stub = service_info_pb2_grpc.ServiceInfoServiceStub(self.channel(address))
             try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from libs.engine import types as eng
 from libs.engine.encoder_runner import EncoderRunner
 from libs.serving.convert import engine_errors
@@ -12,10 +14,13 @@ from libs.telemetry.stages import record_stage
 async def encode_items(
     engine: EngineThread, runner: EncoderRunner, media: list[eng.MediaInput], field_prefix: str = ""
 ) -> list[eng.EncodedItem]:
-    """Encode on the engine thread; engine errors become contract errors."""
+    """Encode on the engine thread; engine errors become contract errors. The wait for the engine
+    thread (behind other encodes) is a queue stage of its own, apart from the service's bookkeeping."""
     timings: dict[str, int] = {}
+    queued_ns = time.time_ns()
     with engine_errors(field_prefix):
         encoded = await engine.run(runner.encode, media, timings)
+    record_stage("encoder.engine_wait", "queue", queued_ns, timings["start"])
     record_stage("encoder.preprocess", "preprocess", timings["start"], timings["preprocessed"], items=len(media))
     record_stage("encoder.compute", "encode", timings["preprocessed"], timings["end"], items=len(media))
     return encoded

@@ -130,6 +130,16 @@ class EngineThread:
             self._thread.join()
 
 
+@dataclass
+class StepStats:
+    """The decode steps one sequence took part in (for capacity planning: a step's cost grows with
+    its batch): how many, their engine-thread seconds and their batch sizes, summed."""
+
+    steps: int = 0
+    engine_s: float = 0.0
+    batch_sum: int = 0
+
+
 class DecodeLoop:
     """Batched decoding for many concurrent streams (use from one event loop)."""
 
@@ -137,6 +147,7 @@ class DecodeLoop:
         self.runner = runner
         self._engine = engine
         self._queues: dict[str, asyncio.Queue[TokenChunk | BaseException]] = {}
+        self._stats: dict[str, StepStats] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -147,14 +158,22 @@ class DecodeLoop:
         return len(self.runner.active_ids)
 
     async def stream(
-        self, request_id: str, kv: KvCache, state: DecodeState, sampling: SamplingParams
+        self,
+        request_id: str,
+        kv: KvCache,
+        state: DecodeState,
+        sampling: SamplingParams,
+        stats: StepStats | None = None,
     ) -> AsyncIterator[TokenChunk]:
-        """Decode one sequence from `kv`; yields chunks until one carries a finish reason."""
+        """Decode one sequence from `kv`; yields chunks until one carries a finish reason. `stats`,
+        if given, counts the steps the sequence takes part in."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="decode-loop")
         queue: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
         await self._engine.run(self.runner.add, request_id, kv, state, sampling)  # raises typed engine errors
         self._queues[request_id] = queue
+        if stats is not None:
+            self._stats[request_id] = stats
         self._wake.set()
         finished = False
         try:
@@ -168,6 +187,7 @@ class DecodeLoop:
                     return
         finally:
             self._queues.pop(request_id, None)
+            self._stats.pop(request_id, None)
             if not finished:
                 await asyncio.shield(self._engine.run(self.runner.cancel, request_id))
 
@@ -177,7 +197,7 @@ class DecodeLoop:
             self._wake.clear()
             while self.runner.active_ids:
                 try:
-                    results = await self._engine.run(self.runner.step)
+                    results, seconds = await self._engine.run(self._timed_step)
                 except Exception as exc:  # a bug in a step fails the streams of this batch, not the service
                     _log.exception("decode step failed")
                     for request_id in self.runner.active_ids:
@@ -186,6 +206,16 @@ class DecodeLoop:
                         await self._engine.run(self.runner.cancel, request_id)
                     break
                 for request_id, (chunk, _) in results.items():
+                    stats = self._stats.get(request_id)
+                    if stats is not None:
+                        stats.steps += 1
+                        stats.engine_s += seconds
+                        stats.batch_sum += len(results)
                     queue = self._queues.get(request_id)
                     if queue is not None:
                         queue.put_nowait(chunk)
+
+    def _timed_step(self) -> tuple[dict[str, tuple[TokenChunk, Any]], float]:
+        started = time.perf_counter()  # on the engine thread: the step's compute, not its wait
+        results = self.runner.step()
+        return results, time.perf_counter() - started

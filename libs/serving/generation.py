@@ -14,7 +14,7 @@ from libs.engine import types as eng
 from libs.engine.prefill_runner import PrefillRunner, PrefillTask
 from libs.serving.convert import chunk_to_wire, engine_errors, messages_to_engine
 from libs.serving.embeddings import FetchedItems, fetch_encoded
-from libs.serving.engine_loop import DecodeLoop, EngineThread
+from libs.serving.engine_loop import DecodeLoop, EngineThread, StepStats
 from libs.serving.transport import Transport
 from libs.telemetry.stages import record_duration, stage, start_phase
 
@@ -66,7 +66,9 @@ async def _chunked(
     while not await engine.run_at(task.remaining, timed, task.step, runner.chunk_tokens):
         chunks += 1
     result: eng.PrefillResult = await engine.run(timed, task.finish)
-    trace.get_current_span().set_attributes({"epd.engine.busy_s": busy[0], "epd.prefill.chunks": chunks})
+    trace.get_current_span().set_attributes(
+        {"epd.engine.busy_s": busy[0], "epd.prefill.chunks": chunks, "epd.prefill.chunk_tokens": runner.chunk_tokens}
+    )
     return result
 
 
@@ -107,9 +109,10 @@ async def decode_stream(
     span = start_phase("decode.generate", **{"epd.stage": "decode"})
     started = time.perf_counter()
     first: float | None = None
+    steps = StepStats()
     try:
         with engine_errors():
-            async for chunk in decode.stream(request_id, kv, state, sampling):
+            async for chunk in decode.stream(request_id, kv, state, sampling, steps):
                 if first is None and chunk.token_ids:
                     first = time.perf_counter() - started
                 generated += len(chunk.token_ids)
@@ -125,6 +128,10 @@ async def decode_stream(
                 "epd.decode.tokens": tokens,
                 "epd.decode.first_token_s": first or 0.0,
                 "epd.decode.inter_token_s": (elapsed - (first or 0.0)) / (tokens - 1) if tokens > 1 else 0.0,
+                # Engine time per step and batch size: the planner fits a step's cost to its batch.
+                "epd.decode.steps": steps.steps,
+                "epd.decode.step_engine_s": steps.engine_s / steps.steps if steps.steps else 0.0,
+                "epd.decode.batch_mean": steps.batch_sum / steps.steps if steps.steps else 0.0,
             }
         )
         span.end()

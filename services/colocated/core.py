@@ -13,7 +13,7 @@ from libs.contract.validation import Limits, validate_generate_request
 from libs.engine.decode_runner import DecodeRunner
 from libs.engine.encoder_runner import EncoderRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
-from libs.engine.prefill_runner import PrefillRunner
+from libs.engine.prefill_runner import CHUNK_TOKENS, PrefillRunner
 from libs.engine.types import EncodedItem, MediaInput
 from libs.serving import convert
 from libs.serving.embeddings import FetchedItems
@@ -27,13 +27,19 @@ class ColocatedCore:
     """Serves `GenerateRequest`s from one checkpoint, no sockets involved."""
 
     def __init__(
-        self, model: Path, *, max_batch: int = 8, limits: Limits | None = None, file_root: Path | None = None
+        self,
+        model: Path,
+        *,
+        max_batch: int = 8,
+        limits: Limits | None = None,
+        file_root: Path | None = None,
+        chunk_tokens: int = CHUNK_TOKENS,
     ) -> None:
         self.limits = limits or Limits()
         self.file_root = file_root
         self.encoder = EncoderRunner(model)
         self.runtime = LanguageModelRuntime(model)
-        self.prefill = PrefillRunner(self.runtime)
+        self.prefill = PrefillRunner(self.runtime, chunk_tokens=chunk_tokens)
         self.engine = EngineThread("colocated")
         self.decode = DecodeLoop(DecodeRunner(self.runtime, max_batch=max_batch), self.engine)
 

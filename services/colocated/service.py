@@ -14,12 +14,12 @@ from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, client_facing, service_main
 from libs.serving.identity import model_identity, service_info
 from libs.serving.parts import model_service_parts
-from libs.serving.settings import ModelServiceSettings
+from libs.serving.settings import ChunkedPrefillSettings, ModelServiceSettings
 from services.colocated.core import ColocatedCore
 
 
 @dataclasses.dataclass(frozen=True)
-class ColocatedSettings(ClientAuthSettings, ModelServiceSettings):
+class ColocatedSettings(ClientAuthSettings, ChunkedPrefillSettings, ModelServiceSettings):
     """Colocated: encode, prefill and decode in one process."""
 
 
@@ -38,7 +38,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
 async def setup(settings: ColocatedSettings) -> ServiceParts:
     torch.set_num_threads(settings.torch_threads)
-    core = ColocatedCore(settings.model, max_batch=settings.max_batch, file_root=settings.file_root)
+    core = ColocatedCore(
+        settings.model,
+        max_batch=settings.max_batch,
+        file_root=settings.file_root,
+        chunk_tokens=settings.prefill_chunk_tokens,
+    )
     identity = model_identity(settings, core.runtime.weights_digest)
     admission = Admission("colocated", min(settings.max_running, settings.max_batch), settings.max_waiting)
     parts = model_service_parts(

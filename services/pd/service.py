@@ -17,12 +17,13 @@ from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
 from libs.serving.identity import model_identity, service_info
 from libs.serving.parts import model_service_parts
+from libs.serving.settings import ChunkedPrefillSettings
 from libs.serving.transport import Transport, transfer_config
 from services.pd.core import PrefillDecodeCore
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillDecodeSettings(EngineSettings):
+class PrefillDecodeSettings(EngineSettings, ChunkedPrefillSettings):
     """PD: metadata-only requests -> prefill and decode in one process (E+PD layout)."""
 
 
@@ -52,7 +53,9 @@ async def _engine(settings: PrefillDecodeSettings) -> tuple[PrefillDecodeEngine,
     # The reference engine reads the embeddings with this process's transport.
     identity = model_identity(settings, runtime.weights_digest)
     transport = Transport(transfer_config(settings, "pd"), identity, produce=False, consume=True)
-    return ReferencePrefillDecode(runtime, transport, max_batch=settings.max_batch), transport
+    return ReferencePrefillDecode(
+        runtime, transport, max_batch=settings.max_batch, chunk_tokens=settings.prefill_chunk_tokens
+    ), transport
 
 
 def _admitted_at_once(settings: PrefillDecodeSettings) -> int:

@@ -18,13 +18,14 @@ from libs.rpc.main import ServiceParts, service_main
 from libs.serving.engine_loop import EngineThread
 from libs.serving.identity import model_identity, service_info
 from libs.serving.parts import model_service_parts
+from libs.serving.settings import ChunkedPrefillSettings
 from libs.serving.transport import Transport, transfer_config
 from services.prefill.core import PrefillCore
 from services.prefill.engine_core import EnginePrefillCore
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillSettings(EngineSettings):
+class PrefillSettings(EngineSettings, ChunkedPrefillSettings):
     """Prefill: metadata-only requests -> KV cache for decode + the first token."""
 
     pool_mib: int = setting(512, "registered tensor pool (embeddings read + KV published), in MiB")
@@ -80,7 +81,8 @@ async def setup(settings: PrefillSettings) -> ServiceParts:
     transport = Transport(transfer_config(settings, "prefill"), identity, produce=True, consume=True)
     engine = EngineThread("prefill")
     admission = Admission("prefill", settings.max_running, settings.max_waiting)
-    core = PrefillCore(PrefillRunner(runtime), transport, engine, accept_raw_media=settings.accept_raw_media)
+    runner = PrefillRunner(runtime, chunk_tokens=settings.prefill_chunk_tokens)
+    core = PrefillCore(runner, transport, engine, accept_raw_media=settings.accept_raw_media)
     servicer = PrefillServicer(core, admission)
     info = service_info(
         service_info_pb2.SERVICE_ROLE_PREFILL,

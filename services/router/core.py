@@ -405,10 +405,11 @@ class Router:
         self, state: RequestState, index: int, part: chat_pb2.ContentPart, deadline: float | None
     ) -> layout_pb2.EncodedMedia:
         job = encoder_pb2.EncodeRequest(
-            request_id=state.request_id,
-            items=[encoder_pb2.EncodeItem(item_index=index, media=part.media)],
-            accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+            request_id=state.request_id, accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL]
         )
+        # CopyFrom into the added item, not `EncodeItem(media=...)` in the constructor: upb copies
+        # 0.5 MB of media in 0.015 ms this way and in 0.44 ms that way.
+        job.items.add(item_index=index).media.CopyFrom(part.media)
         priority = state.priority
         # The content hash serves the shared-store lookup and placement among encoders: with
         # neither, hashing (~3 ms per 0.5 MB image here) is pure router overhead.

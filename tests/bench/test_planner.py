@@ -52,3 +52,42 @@ def test_recommendations_grow_with_the_rate() -> None:
     assert small[0].total() < large[0].total()
     assert large[1].p90() <= 2.0
     assert recommend(PROFILE, "e+pd", Workload(mix, rate_per_s=50.0, duration_s=60), 2.0, max_instances=4) is None
+
+
+def _decoding(step_engine_s: float, batch_mean: float) -> RequestProfile:
+    return RequestProfile("text", 0, (), 0.05, 50, 9, 0.0, 0.01, 0.0, 8, step_engine_s, batch_mean)
+
+
+def test_decode_step_cost_is_fitted_to_the_measured_batch_sizes() -> None:
+    # Steps measured at batches 1..4 on a line: 20 ms + 10 ms per sequence.
+    requests = [_decoding(0.02 + 0.01 * b, b) for b in (1, 2, 3, 4) for _ in range(3)]
+    base, per_sequence = Profile("e+pd", requests).step_cost() or (0.0, 0.0)
+    assert base == pytest.approx(0.02) and per_sequence == pytest.approx(0.01)
+    assert Profile("e+pd", [_decoding(0.03, 1.0)] * 4).step_cost() is None  # one batch size: no slope
+
+
+def test_a_costlier_batch_lengthens_the_queue_behind_decode() -> None:
+    """The same prefills; steps that cost more per sequence leave the engine less time for them."""
+    cheap = Profile("e+pd", [_decoding(0.02 + 0.001 * b, b) for b in (1, 4)])
+    costly = Profile("e+pd", [_decoding(0.02 + 0.03 * b, b) for b in (1, 4)])
+    workload = Workload({"text": 1.0}, clients=6, duration_s=300, max_tokens=9)
+    fast = simulate(cheap, Layout("e+pd", 1, 1), workload)
+    slow = simulate(costly, Layout("e+pd", 1, 1), workload)
+    assert slow.p90("text") > 1.5 * fast.p90("text")
+
+
+def test_prefill_chunks_follow_the_measured_services() -> None:
+    """A text prefill waits for the image chunk in progress: one of 64 tokens, not of 256."""
+    images = [_req("image", (0.01,), 0.8, 256)] * 10
+    mix = {"text": 0.5, "image": 0.5}
+    coarse = simulate(
+        Profile("e+pd", [*PROFILE.of_kind("text"), *images], chunk_tokens=256),
+        Layout("e+pd", 4, 1),
+        Workload(mix, clients=6, duration_s=600),
+    )
+    fine = simulate(
+        Profile("e+pd", [*PROFILE.of_kind("text"), *images], chunk_tokens=64),
+        Layout("e+pd", 4, 1),
+        Workload(mix, clients=6, duration_s=600),
+    )
+    assert fine.p90("text") <= 0.05 + 0.01 + 0.8 / 4 + 1e-6 < coarse.p90("text")

@@ -60,6 +60,17 @@ def test_handshake_checks_and_caches() -> None:
             assert (await peers.info(server.address, instance_id="two")).instance_id == "two"
             assert peer.calls == 2
 
+            # Tensor handles name the NIXL agent's incarnation, not the process's: no re-read for
+            # each handle of the same agent (one per request), one when the agent is new.
+            peer.info.transports.add(kind=tensor_pb2.TRANSPORT_KIND_NIXL).nixl.instance_id = "agent-a"
+            await peers.info(server.address, refresh=True)
+            for _ in range(5):
+                await peers.info(server.address, instance_id="agent-a")
+            assert peer.calls == 3
+            peer.info.transports[0].nixl.instance_id = "agent-b"
+            await peers.info(server.address, instance_id="agent-b")
+            assert peer.calls == 4
+
             peer.info.contract_version.major = 2
             with pytest.raises(
                 FailedPrecondition, match=rf"peer speaks 2\.{CONTRACT_MINOR}, this service speaks 1\.{CONTRACT_MINOR}"

@@ -9,7 +9,7 @@ from libs.contract.epd.v1 import chat_pb2
 from libs.engine import types as eng
 from libs.engine.decode_runner import DecodeRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
-from libs.engine.prefill_runner import PrefillRunner
+from libs.engine.prefill_runner import CHUNK_TOKENS, PrefillRunner
 from libs.engines.api import Streamed
 from libs.serving.engine_loop import DecodeLoop, EngineThread
 from libs.serving.generation import fetch_and_prefill, stream_after_prefill
@@ -21,11 +21,13 @@ class ReferencePrefillDecode:
 
     name = "reference"
 
-    def __init__(self, runtime: LanguageModelRuntime, transport: Transport, *, max_batch: int) -> None:
+    def __init__(
+        self, runtime: LanguageModelRuntime, transport: Transport, *, max_batch: int, chunk_tokens: int = CHUNK_TOKENS
+    ) -> None:
         self.runtime = runtime
         self.weights_digest = self.runtime.weights_digest
         self.thread = EngineThread("pd")
-        self.runner = PrefillRunner(self.runtime)
+        self.runner = PrefillRunner(self.runtime, chunk_tokens=chunk_tokens)
         self.loop = DecodeLoop(DecodeRunner(self.runtime, max_batch=max_batch), self.thread)
         self._transport = transport
 
