@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from google.protobuf import timestamp_pb2
+from zlib_ng.zlib_ng import crc32 as _crc32  # zlib's CRC-32, SIMD: ~10x zlib's speed here
 
 from libs.contract.epd.v1 import tensor_pb2
 from libs.contract.errors import InvalidArgument
@@ -74,13 +74,13 @@ def packed_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
 
 
 def crc32(data: Any) -> tensor_pb2.Checksum:
-    return tensor_pb2.Checksum(algorithm=tensor_pb2.CHECKSUM_ALGORITHM_CRC32, value=zlib.crc32(data))
+    return tensor_pb2.Checksum(algorithm=tensor_pb2.CHECKSUM_ALGORITHM_CRC32, value=_crc32(data))
 
 
 def verify_checksum(name: str, checksum: tensor_pb2.Checksum, data: Any) -> None:
     if checksum.algorithm != tensor_pb2.CHECKSUM_ALGORITHM_CRC32:
         return
-    actual = zlib.crc32(data)
+    actual = _crc32(data)
     if actual != checksum.value:
         raise ChecksumMismatch(
             f"tensor {name!r}: CRC32 of the bytes read is {actual:#010x}, the producer's is {checksum.value:#010x}"
