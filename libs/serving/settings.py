@@ -44,6 +44,6 @@ class ChunkedPrefillSettings:
 
     prefill_chunk_tokens: int = setting(
         64,
-        "prompt tokens per prefill forward: a text request waits at most one chunk of a long (multimodal) "
-        "prompt (~0.13 s on one core of the ~100M checkpoint at 64); larger chunks cost fewer forwards",
+        "reference engine: prompt tokens per prefill forward; a text request waits at most one chunk of a "
+        "long (multimodal) prompt (~0.13 s on one core of the ~100M checkpoint at 64)",
     )

@@ -23,7 +23,7 @@ from services.pd.core import PrefillDecodeCore
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillDecodeSettings(EngineSettings, ChunkedPrefillSettings):
+class PrefillDecodeSettings(ChunkedPrefillSettings, EngineSettings):
     """PD: metadata-only requests -> prefill and decode in one process (E+PD layout)."""
 
 

@@ -25,7 +25,7 @@ from services.prefill.engine_core import EnginePrefillCore
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillSettings(EngineSettings, ChunkedPrefillSettings):
+class PrefillSettings(ChunkedPrefillSettings, EngineSettings):
     """Prefill: metadata-only requests -> KV cache for decode + the first token."""
 
     pool_mib: int = setting(512, "registered tensor pool (embeddings read + KV published), in MiB")

@@ -69,3 +69,15 @@ def test_help_lists_env_variables_and_defaults(capsys: pytest.CaptureFixture[str
         load_settings(EncoderLike, argv=["--help"], env={}, prog="epd-encoder")
     out = capsys.readouterr().out
     assert "--max-queue" in out and "EPD_MAX_QUEUE" in out and "default: 64" in out
+
+
+def test_prefill_chunk_must_be_positive() -> None:
+    from libs.serving.settings import ChunkedPrefillSettings
+
+    @dataclasses.dataclass(frozen=True)
+    class PrefillLike(ChunkedPrefillSettings, CommonSettings):
+        pass
+
+    assert load_settings(PrefillLike, argv=["--prefill-chunk-tokens", "128"], env={}).prefill_chunk_tokens == 128
+    with pytest.raises(SettingsError, match="--prefill-chunk-tokens: 0 is not a positive number of tokens"):
+        load_settings(PrefillLike, argv=[], env={"EPD_PREFILL_CHUNK_TOKENS": "0"})
