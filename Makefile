@@ -20,7 +20,7 @@ SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 # espeak-ng synthesizes the speech the Whisper demo and tests transcribe.
 SYSTEM_PACKAGES := libibverbs1 espeak-ng
 
-.PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer bench-cache bench-vllm bench-all bench-tax bench-split bench-metadata bench-reassign fuzz soak
+.PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer bench-cache bench-vllm bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign fuzz soak
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -94,12 +94,14 @@ bench-transfer: deps ## NIXL vs memcpy vs inline gRPC throughput, 64 KiB latency
 
 # The seed's experiments on the ~100M checkpoint (docs/benchmarks.md); results in docs/benchmarks/.
 EXPERIMENTS := $(PY) tests/benchmarks/experiments.py
-bench-all: deps ## every experiment (P3 P8 P7 P4 P5 + planner check), one table (~30 min; not in make test)
+bench-all: deps ## every experiment (P3 P8 P7 P7v P4 P5 + planner check), one table (~30 min; not in make test)
 	$(EXPERIMENTS) all
 bench-tax: deps ## P3 disaggregation tax and P8 router overhead, one request at a time (not in make test)
 	$(EXPERIMENTS) p3 p8
 bench-split: deps ## P7 split vs colocated: concurrency sweep, text-only p90 TTFT and goodput (not in make test)
 	$(EXPERIMENTS) p7
+bench-split-vllm: deps ## P7v on vLLM: E+PD text-only p90 TTFT with prompts chunked vs whole (not in make test)
+	$(EXPERIMENTS) p7v
 bench-metadata: deps ## P4 metadata-only prefill vs raw media forwarded (not in make test)
 	$(EXPERIMENTS) p4
 bench-reassign: deps ## P5 reassigned encoder with/without the shared store, in the harness (not in make test)

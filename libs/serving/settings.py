@@ -40,10 +40,11 @@ class ModelServiceSettings(CommonSettings):
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedPrefillSettings:
-    """Settings of a service that prefills on the reference engine thread (prefill, PD, colocated)."""
+    """Settings of a service that prefills (prefill, PD, colocated)."""
 
     prefill_chunk_tokens: int = setting(
         64,
-        "reference engine: prompt tokens per prefill forward; a text request waits at most one chunk of a "
-        "long (multimodal) prompt (~0.13 s on one core of the ~100M checkpoint at 64)",
+        "prompt tokens per prefill forward (reference engine) or, on vLLM, per step of one prompt while other "
+        "requests run or wait (long_prefill_token_threshold): a text request waits at most one chunk of a long "
+        "(multimodal) prompt (~0.13 s on one core of the ~100M checkpoint at 64)",
     )

@@ -5,6 +5,7 @@ explains each one and what its ratio means.
     .venv/bin/python tests/benchmarks/experiments.py all          # make bench-all: every experiment, one table
     .venv/bin/python tests/benchmarks/experiments.py p3 p8        # make bench-tax (P8 shares P3's stacks)
     .venv/bin/python tests/benchmarks/experiments.py p7           # make bench-split
+    .venv/bin/python tests/benchmarks/experiments.py p7v          # make bench-split-vllm
     .venv/bin/python tests/benchmarks/experiments.py p4           # make bench-metadata
     .venv/bin/python tests/benchmarks/experiments.py p5           # make bench-reassign
 
@@ -14,7 +15,8 @@ P8 router overhead: TTFT through the router vs the same metadata-only request se
 directly (and the encoder directly, for images); p50 and p99, interleaved.
 P7 split vs colocated: closed-loop concurrency sweep of a text + image mix (and 4 images per
 request) with the cores split between encoder and PD/P+D against a colocated process on all of
-them; text-only p90 TTFT and goodput.
+them; text-only p90 TTFT and goodput. P7v: the same question on vLLM (E+PD), prompts chunked as the
+services' --prefill-chunk-tokens vs whole.
 P4 metadata-only: image and audio throughput with prefill given metadata only vs the baseline mode
 that forwards the raw media too (prefill decodes and preprocesses it, as a non-metadata path).
 P5 reassignment: tests/benchmarks/bench_cache.py's experiment in this harness.
@@ -428,6 +430,86 @@ def p7(model: Path, run_dir: Path, duration_s: float, slo: Slo) -> dict[str, Any
     return result
 
 
+WHOLE_PROMPTS = {"pd": ["--prefill-chunk-tokens", "4096"]}  # vLLM's cap past any prompt here: off
+
+
+def p7_vllm(model: Path, run_dir: Path, duration_s: float, slo: Slo) -> dict[str, Any]:
+    """P7's text-behind-multimodal question on vLLM: E+PD with PD on vLLM, cores split as in P7, with
+    the services' prefill chunk (64 tokens: vLLM's long_prefill_token_threshold) against the same
+    stack with whole prompts per step (a cap of 4096 tokens, longer than any prompt here)."""
+    print(f"P7 on vLLM: E+PD, chunked prompts vs whole, {duration_s:.0f} s per point, split cores")
+    stacks = [
+        h.make_stack("p7v-chunked", "e+pd", model, run_dir, cpus="split", engine="vllm"),
+        h.make_stack("p7v-whole", "e+pd", model, run_dir, cpus="split", engine="vllm", extra_args=WHOLE_PROMPTS),
+    ]
+    points = [
+        ("1 image", MixSpec(text=0.5, image=0.5, images=1, max_tokens=8), 4),
+        ("4 images", MixSpec(text=0.4, image=0.6, images=4, max_tokens=8), 5),
+    ]
+    result: dict[str, Any] = {"slo": asdict(slo), "points": []}
+    with h.running(*stacks):
+        result["load_start"] = h.load_average()
+        for i, (label, spec, clients) in enumerate(points):
+            point_slo = Slo(slo.ttft_s * (1 + 0.75 * (spec.images - 1)), slo.itl_s)
+            seconds = duration_s * (1.5 if spec.images > 1 else 1.0)  # as P7: 4-image requests are few
+            for s in stacks[i % 2 :] + stacks[: i % 2]:
+                rep = report(_load_point(s, spec, clients, seconds, seed=90 + i), point_slo)
+                text, image = rep["by_kind"].get("text", {}), rep["by_kind"].get("image", {})
+                point = {
+                    "mix": label,
+                    "clients": clients,
+                    "prompts": s.name.removeprefix("p7v-"),
+                    "text_ttft_p90_s": text.get("ttft", {}).get("p90_s", float("nan")),
+                    "image_ttft_p90_s": image.get("ttft", {}).get("p90_s", float("nan")),
+                    "image_goodput_rps": image.get("goodput_rps", 0.0),
+                    "throughput_rps": rep["overall"]["throughput_rps"],
+                    "errors": rep["overall"]["errors"],
+                    "load": h.load_average(),
+                    "records": rep["records"],
+                }
+                result["points"].append(point)
+                print(
+                    f"  {label:<9} c={clients} {point['prompts']:<8} text p90 {ms(point['text_ttft_p90_s'])}, "
+                    f"image p90 {ms(point['image_ttft_p90_s'])}, image goodput {point['image_goodput_rps']:.3f}/s, "
+                    f"errors {point['errors']}",
+                    flush=True,
+                )
+        result["load_end"] = h.load_average()
+    by = {(p["mix"], p["prompts"]): p for p in result["points"]}
+    for label, _, clients in points:
+        chunked, whole = by[(label, "chunked")], by[(label, "whole")]
+        for key, what in (("text_ttft_p90_s", "text-only p90 TTFT"), ("image_ttft_p90_s", "image p90 TTFT")):
+            row(
+                "P7v",
+                f"vllm e+pd {label} c={clients}: {what}, chunked / whole",
+                chunked[key] / whole[key],
+                f"{ms(chunked[key])} vs {ms(whole[key])}",
+                "",
+            )
+        row(
+            "P7v",
+            f"vllm e+pd {label} c={clients}: image goodput, chunked / whole",
+            _ratio(chunked["image_goodput_rps"], whole["image_goodput_rps"]),
+            f"{chunked['image_goodput_rps']:.3f} vs {whole['image_goodput_rps']:.3f} req/s",
+            "",
+        )
+    write_json(OUT / "p7_vllm.json", result)
+    bar_plot(
+        OUT / "p7_vllm.png",
+        {
+            f"{label} c={clients}": {
+                f"{kind} p90, {prompts}": by[(label, prompts)][f"{kind}_ttft_p90_s"] * 1e3
+                for kind in ("text", "image")
+                for prompts in ("whole", "chunked")
+            }
+            for label, _, clients in points
+        },
+        title="P7 on vLLM (E+PD): p90 TTFT, prompts chunked (64 tokens) vs whole",
+        ylabel="ms",
+    )
+    return result
+
+
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("inf") if a > 0 else float("nan")
 
@@ -607,10 +689,11 @@ def write_table(started: float) -> str:
 def main() -> None:
     global OUT  # every experiment writes under it
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("experiments", nargs="+", choices=("all", "p3", "p8", "p7", "p4", "p5"))
+    parser.add_argument("experiments", nargs="+", choices=("all", "p3", "p8", "p7", "p7v", "p4", "p5"))
     parser.add_argument("--rounds", type=int, default=6, help="P3: interleaved rounds")
     parser.add_argument("--p8-requests", type=int, default=30)
     parser.add_argument("--duration", type=float, default=40.0, help="P7/P4: seconds per load point")
+    parser.add_argument("--p7v-duration", type=float, default=90.0, help="P7v: seconds per load point")
     parser.add_argument("--p4-clients", type=int, default=4)
     parser.add_argument("--p5-requests", type=int, default=8)
     parser.add_argument("--slo-ttft", type=float, default=6.0)
@@ -621,7 +704,7 @@ def main() -> None:
     ns = parser.parse_args()
     chosen = set(ns.experiments)
     if "all" in chosen:
-        chosen = {"p3", "p8", "p7", "p4", "p5"}
+        chosen = {"p3", "p8", "p7", "p7v", "p4", "p5"}
     from libs.engine.checkpoints import ensure_checkpoint
 
     OUT = ns.out
@@ -640,6 +723,8 @@ def main() -> None:
             plan_check(result, run_dir)
 
         steps.append(("p7", split_then_plan))
+    if "p7v" in chosen:
+        steps.append(("p7v", lambda: p7_vllm(model, run_dir, ns.p7v_duration, Slo(ns.slo_ttft, ns.slo_itl))))
     if "p4" in chosen:
         steps.append(("p4", lambda: p4(model, run_dir, ns.duration, ns.p4_clients)))
     if "p5" in chosen:

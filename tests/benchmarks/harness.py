@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -85,6 +87,7 @@ def make_stack(
     threads: int | None = None,
     extra_args: dict[str, list[str]] | None = None,
     env: dict[str, str] | None = None,
+    engine: str = "reference",
 ) -> BenchStack:
     """A stack (not started) with its CPU plan's torch threads and its own span file."""
     plan = cpu_plan(layout, cpus)
@@ -109,7 +112,8 @@ def make_stack(
             **(env or {}),
         },
         extra_args=args,
-        ready_timeout_s=300.0,
+        engine=engine,
+        ready_timeout_s=300.0 if engine == "reference" else 600.0,
     )
     return BenchStack(name, layout, Stack(spec), trace_file, cpus)
 
@@ -119,7 +123,9 @@ def start(bench: BenchStack) -> BenchStack:
     plan = cpu_plan(bench.layout, bench.cpus)
     for service, process in bench.stack.processes.items():
         cores = plan.get(service, (ALL, 1))[0]
-        pin_tree(process.pid, cores)
+        # vLLM runs its engine core and worker as child processes: they get the service's cores.
+        for pid in [process.pid, *(c.pid for c in psutil.Process(process.pid).children(recursive=True))]:
+            pin_tree(pid, cores)
         bench.pinned[service] = cores
     return bench
 

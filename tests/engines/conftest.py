@@ -27,7 +27,9 @@ def vllm_epd_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) ->
         model=omni_tiny,
         run_dir=tmp_path_factory.mktemp("vllm-e+pd"),
         engine="vllm",
-        extra_args={"pd": ["--grace-s", "120"]},  # the drain test's streams finish within it
+        # --grace-s: the drain test's streams finish within it. Chunks of 16 prompt tokens: requests
+        # served together prefill their multimodal prompts in several steps, across the items.
+        extra_args={"pd": ["--grace-s", "120", "--prefill-chunk-tokens", "16"]},
         ready_timeout_s=420.0,
     )
     with Stack(spec).running() as stack:

@@ -20,6 +20,8 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2
 
+from libs.client.generate import generate
+from libs.client.generate import open_channel as client_channel
 from libs.contract.epd.v1 import (
     chat_pb2,
     generate_pb2_grpc,
@@ -104,6 +106,22 @@ def test_tokens_equal_the_reference_runtime(vllm_epd_stack: Stack, expected: dic
     result = call(vllm_epd_stack.address, request(MIXES[mix]))
     assert result.token_ids == expected[mix]
     assert result.completion_tokens == len(expected[mix])
+    _wait_empty(vllm_epd_stack)
+
+
+def test_requests_served_together_prefill_in_chunks_and_equal_the_reference(
+    vllm_epd_stack: Stack, expected: dict[str, list[int]]
+) -> None:
+    """Every mix at once, twice over: vLLM caps each prompt at 16 tokens a step while the others
+    wait (the stack's --prefill-chunk-tokens), so image, video and audio placeholders are split
+    across steps; greedy tokens must not change."""
+
+    async def together() -> list[list[int]]:
+        async with client_channel(vllm_epd_stack.address) as channel:
+            calls = [generate(channel, request(MIXES[name]), timeout_s=120) for name in [*MIXES, *MIXES]]
+            return [result.token_ids for result in await asyncio.gather(*calls)]
+
+    assert run(together) == [expected[name] for name in [*MIXES, *MIXES]]
     _wait_empty(vllm_epd_stack)
 
 

@@ -23,6 +23,7 @@ from libs.engine import types as eng
 from libs.engines.settings import EngineSettings
 from libs.engines.vllm.requests import ItemDescriptor
 from libs.serving.convert import chunk_to_wire
+from libs.serving.settings import ChunkedPrefillSettings
 
 EC_CONNECTOR_MODULE = "libs.engines.vllm.ec_connector"
 KV_CONNECTOR_MODULE = "libs.engines.vllm.kv_connector"
@@ -90,6 +91,11 @@ def build_engine(
         # land in prometheus_client's registry, which the service's /metrics serves (docs/tracing.md).
         disable_log_stats=False,
     )
+    if isinstance(settings, ChunkedPrefillSettings):
+        # The reference engine's prefill chunks, in vLLM's scheduler: while other requests are
+        # running or waiting, one prompt gets at most this many tokens of a step, so a short text
+        # request is not held behind a whole multimodal prefill (a lone prompt still runs whole).
+        args["long_prefill_token_threshold"] = min(settings.prefill_chunk_tokens, settings.max_model_len)
     if ec_consumer:
         args["ec_transfer_config"] = ECTransferConfig(
             ec_connector="EpdECConnector",

@@ -1,0 +1,42 @@
+"""`--event-loop uvloop`: a service runs on uvloop's loop (its `serving` line names the loop), answers
+calls, and drains on SIGTERM as on asyncio's own loop. Real process: `tests/rpc/slow_generate.py`
+under the same `service_main` and `EpdServer` as every EPD service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from libs.client.generate import build_request, generate, open_channel
+from libs.launch.process import ServiceProcess
+
+
+def _serving_line(log: Path) -> dict[str, object]:
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    return next(line for line in lines if line.get("event") == "serving")
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_service_runs_serves_and_drains_on_the_chosen_loop(tmp_path: Path, loop: str) -> None:
+    log = tmp_path / "slow.log"
+    process = ServiceProcess("slow", "tests.rpc.slow_generate", ["--event-loop", loop, "--hold-s", "0.5"], log)
+    process.start()
+    try:
+        address = process.wait_ready(60)
+
+        async def calls() -> list[list[int]]:
+            async with open_channel(address) as channel:
+                first = asyncio.create_task(generate(channel, build_request("hi", request_id="a"), timeout_s=30))
+                await asyncio.sleep(0.2)  # in flight when the drain starts
+                stop = asyncio.create_task(asyncio.to_thread(process.stop, 30))
+                result = await first
+                assert await stop == 0
+                return [result.token_ids]
+
+        assert asyncio.run(calls()) == [[1]]
+    finally:
+        process.stop()
+    assert _serving_line(log)["event_loop"] == loop
