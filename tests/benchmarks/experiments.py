@@ -329,6 +329,37 @@ def _load_point(s: h.BenchStack, spec: MixSpec, clients: int, duration_s: float,
     return asyncio.run(run())
 
 
+def _mix_point(
+    s: h.BenchStack, label: str, spec: MixSpec, clients: int, duration_s: float, slo: Slo, seed: int
+) -> dict[str, Any]:
+    """One closed-loop point of a text + image mix: p90 TTFT per kind, image goodput, every record."""
+    # A 4-image request does ~3x the work of a 1-image one: its TTFT limit grows with it, and its
+    # point runs longer (such requests are few).
+    point_slo = Slo(slo.ttft_s * (1 + 0.75 * (spec.images - 1)), slo.itl_s)
+    seconds = duration_s * (1.5 if spec.images > 1 else 1.0)
+    rep = report(_load_point(s, spec, clients, seconds, seed), point_slo)
+    text, image = rep["by_kind"].get("text", {}), rep["by_kind"].get("image", {})
+    point = {
+        "mix": label,
+        "clients": clients,
+        "text_ttft_p90_s": text.get("ttft", {}).get("p90_s", float("nan")),
+        "image_ttft_p90_s": image.get("ttft", {}).get("p90_s", float("nan")),
+        "image_goodput_rps": image.get("goodput_rps", 0.0),
+        "goodput_rps": rep["overall"]["goodput_rps"],
+        "throughput_rps": rep["overall"]["throughput_rps"],
+        "errors": rep["overall"]["errors"],
+        "load": h.load_average(),
+        "records": rep["records"],
+    }
+    print(
+        f"  {label:<9} c={clients} {s.name:<14} text p90 {ms(point['text_ttft_p90_s'])}, "
+        f"image p90 {ms(point['image_ttft_p90_s'])}, image goodput {point['image_goodput_rps']:.3f}/s, "
+        f"errors {point['errors']}",
+        flush=True,
+    )
+    return point
+
+
 def p7(model: Path, run_dir: Path, duration_s: float, slo: Slo) -> dict[str, Any]:
     print(
         f"P7 split vs colocated: {duration_s:.0f} s per point, "
@@ -346,35 +377,9 @@ def p7(model: Path, run_dir: Path, duration_s: float, slo: Slo) -> dict[str, Any
     with h.running(*stacks):
         result["load_start"] = h.load_average()
         for i, (label, spec, clients) in enumerate(points):
-            order = stacks[i % 3 :] + stacks[: i % 3]
-            # A 4-image request does ~3x the work of a 1-image one: its TTFT limit grows with it.
-            point_slo = Slo(slo.ttft_s * (1 + 0.75 * (spec.images - 1)), slo.itl_s)
-            seconds = duration_s * (1.5 if spec.images > 1 else 1.0)
-            for s in order:
-                records = _load_point(s, spec, clients, seconds, seed=70 + i)
-                rep = report(records, point_slo)
-                text = rep["by_kind"].get("text", {})
-                image = rep["by_kind"].get("image", {})
-                point = {
-                    "mix": label,
-                    "clients": clients,
-                    "layout": s.name.removeprefix("p7-"),
-                    "text_ttft_p90_s": text.get("ttft", {}).get("p90_s", float("nan")),
-                    "image_ttft_p90_s": image.get("ttft", {}).get("p90_s", float("nan")),
-                    "image_goodput_rps": image.get("goodput_rps", 0.0),
-                    "goodput_rps": rep["overall"]["goodput_rps"],
-                    "throughput_rps": rep["overall"]["throughput_rps"],
-                    "errors": rep["overall"]["errors"],
-                    "load": h.load_average(),
-                    "records": rep["records"],
-                }
-                result["points"].append(point)
-                print(
-                    f"  {label:<9} c={clients} {point['layout']:<10} text p90 {ms(point['text_ttft_p90_s'])}, "
-                    f"image p90 {ms(point['image_ttft_p90_s'])}, image goodput {point['image_goodput_rps']:.3f}/s, "
-                    f"errors {point['errors']}",
-                    flush=True,
-                )
+            for s in stacks[i % 3 :] + stacks[: i % 3]:
+                point = _mix_point(s, label, spec, clients, duration_s, slo, seed=70 + i)
+                result["points"].append({"layout": s.name.removeprefix("p7-"), **point})
         result["load_end"] = h.load_average()
     by = {(p["mix"], p["clients"], p["layout"]): p for p in result["points"]}
     for label, _, clients in points:
@@ -450,30 +455,9 @@ def p7_vllm(model: Path, run_dir: Path, duration_s: float, slo: Slo) -> dict[str
     with h.running(*stacks):
         result["load_start"] = h.load_average()
         for i, (label, spec, clients) in enumerate(points):
-            point_slo = Slo(slo.ttft_s * (1 + 0.75 * (spec.images - 1)), slo.itl_s)
-            seconds = duration_s * (1.5 if spec.images > 1 else 1.0)  # as P7: 4-image requests are few
             for s in stacks[i % 2 :] + stacks[: i % 2]:
-                rep = report(_load_point(s, spec, clients, seconds, seed=90 + i), point_slo)
-                text, image = rep["by_kind"].get("text", {}), rep["by_kind"].get("image", {})
-                point = {
-                    "mix": label,
-                    "clients": clients,
-                    "prompts": s.name.removeprefix("p7v-"),
-                    "text_ttft_p90_s": text.get("ttft", {}).get("p90_s", float("nan")),
-                    "image_ttft_p90_s": image.get("ttft", {}).get("p90_s", float("nan")),
-                    "image_goodput_rps": image.get("goodput_rps", 0.0),
-                    "throughput_rps": rep["overall"]["throughput_rps"],
-                    "errors": rep["overall"]["errors"],
-                    "load": h.load_average(),
-                    "records": rep["records"],
-                }
-                result["points"].append(point)
-                print(
-                    f"  {label:<9} c={clients} {point['prompts']:<8} text p90 {ms(point['text_ttft_p90_s'])}, "
-                    f"image p90 {ms(point['image_ttft_p90_s'])}, image goodput {point['image_goodput_rps']:.3f}/s, "
-                    f"errors {point['errors']}",
-                    flush=True,
-                )
+                point = _mix_point(s, label, spec, clients, duration_s, slo, seed=90 + i)
+                result["points"].append({"prompts": s.name.removeprefix("p7v-"), **point})
         result["load_end"] = h.load_average()
     by = {(p["mix"], p["prompts"]): p for p in result["points"]}
     for label, _, clients in points:

@@ -53,7 +53,10 @@ pytestmark = pytest.mark.slow
 MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
 STREAMED = ["image", "audio", "text"]  # through the router when prefill gets its signal
 HANDOFFS = 2  # KV handoffs prefill holds for decode at its signal
-TOKENS = 256  # in flight well after each signal (~20 ms a token), done well within the grace period
+# In flight well after each signal, done well within the grace period: 256 tokens took 1.8-3 s here
+# (~7 ms a token), less than the first tokens of three streams started together may spread over
+# (one stream finished before another began: CI, 256 tokens); 1024 take ~7-20 s.
+TOKENS = 1024
 GRACE = ["--grace-s", "240"]
 METRICS = {"prefill": free_port(), "decode": free_port()}  # their Prometheus ports
 
