@@ -113,8 +113,8 @@ def test_requests_served_together_prefill_in_chunks_and_equal_the_reference(
     vllm_epd_stack: Stack, expected: dict[str, list[int]]
 ) -> None:
     """Every mix at once, twice over: vLLM caps each prompt at 16 tokens a step while the others
-    wait (the stack's --prefill-chunk-tokens), so image, video and audio placeholders are split
-    across steps; greedy tokens must not change."""
+    run or wait (the stack's --prefill-chunk-tokens), so the multimodal prompts prefill over
+    several steps, their placeholders cut between them; greedy tokens must not change."""
 
     async def together() -> list[list[int]]:
         async with client_channel(vllm_epd_stack.address) as channel:
