@@ -26,6 +26,8 @@ from typing import Any, cast
 
 import grpc
 
+from libs.contract.grpc_status import end_call
+
 CN_PREFIX = "epd-"
 CLIENT_ROLE = "client"
 SERVICE_ROLES = frozenset({"router", "encoder", "prefill", "decode", "pd", "colocated"})
@@ -136,36 +138,40 @@ class AccessPolicy:
     tls: bool
     tokens: frozenset[str] = frozenset()
 
-    async def check(self, context: grpc.aio.ServicerContext[Any, Any], method: str) -> None:
-        """Abort the call (UNAUTHENTICATED / PERMISSION_DENIED) unless the caller may make it."""
+    def refusal(self, context: grpc.aio.ServicerContext[Any, Any], method: str) -> tuple[grpc.StatusCode, str] | None:
+        """Why the caller may not make this call (UNAUTHENTICATED / PERMISSION_DENIED), or None."""
         if method.startswith(OPEN_SERVICES, 1):
-            return
+            return None
         if self.public:
             if self.tokens and not method.startswith(TOKENLESS_SERVICES, 1):
                 token = _bearer(context)
                 if token is None:
-                    await context.abort(
+                    return (
                         grpc.StatusCode.UNAUTHENTICATED,
                         f"{method}: missing credentials; send metadata 'authorization: Bearer <token>'",
                     )
-                elif not _known(token, self.tokens):
-                    await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method}: unknown bearer token")
-            return
+                if not _known(token, self.tokens):
+                    return grpc.StatusCode.UNAUTHENTICATED, f"{method}: unknown bearer token"
+            return None
         if self.tls:
             role = _peer_role(context)
             if role not in SERVICE_ROLES:
-                await context.abort(
+                return (
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"{method} is an internal API; certificate role {role or 'none'!r} may not call it "
                     f"(service roles: {', '.join(sorted(SERVICE_ROLES))})",
                 )
+        return None
 
 
 def _guard_unary(
     policy: AccessPolicy, method: str, fn: Callable[[Any, Any], Awaitable[Any]]
 ) -> Callable[[Any, Any], Awaitable[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await policy.check(context, method)
+        refusal = policy.refusal(context, method)
+        if refusal is not None:
+            end_call(context, *refusal)
+            return None
         return await fn(request, context)
 
     return handler
@@ -175,7 +181,10 @@ def _guard_stream(
     policy: AccessPolicy, method: str, fn: Callable[[Any, Any], AsyncIterator[Any]]
 ) -> Callable[[Any, Any], AsyncIterator[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-        await policy.check(context, method)
+        refusal = policy.refusal(context, method)
+        if refusal is not None:
+            end_call(context, *refusal)
+            return
         async for response in fn(request, context):
             yield response
 

@@ -62,6 +62,8 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type
                     except BaseException as exc:
                         current.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                         raise
+                    finally:
+                        _record_status(current, context)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary,
@@ -79,6 +81,8 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type
                     except BaseException as exc:
                         current.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                         raise
+                    finally:
+                        _record_status(current, context)
 
             return grpc.unary_stream_rpc_method_handler(
                 stream,
@@ -86,6 +90,14 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+
+def _record_status(span: Any, context: Any) -> None:
+    """The status a handler set (`end_call`): `rpc.grpc.status_code`, and ERROR unless OK."""
+    code = context.code()
+    if code is not None and code != grpc.StatusCode.OK:
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        span.set_status(Status(StatusCode.ERROR, code.name))
 
 
 def _with_context(details: Any) -> Any:

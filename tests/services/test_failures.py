@@ -144,15 +144,18 @@ def test_client_cancel_mid_stream_releases_everything(
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_corrupt_media_is_invalid_argument_naming_the_item(layout: str, stacks: Callable[[str], Stack]) -> None:
+def test_corrupt_media_is_invalid_argument_naming_the_item(
+    layout: str, stacks: Callable[[str], Stack], receiver: OtlpReceiver
+) -> None:
     stack = stacks(layout)
+    trace_id, metadata = traced()
     good = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(60, 90, seed=1))
     bad = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=b"\x89PNG\r\n\x1a\n not really a png")
 
     async def call() -> grpc.aio.AioRpcError:
         async with open_channel(stack.address) as channel:
             stream = generate_pb2_grpc.GenerateServiceStub(channel).Generate(
-                build_request("what", [good, bad]), timeout=30
+                build_request("what", [good, bad]), timeout=30, metadata=metadata
             )
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 async for _ in stream:
@@ -164,6 +167,15 @@ def test_corrupt_media_is_invalid_argument_naming_the_item(layout: str, stacks: 
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "media item 1" in (error.details() or "")
     wait_pools_empty(stack)  # the good item's embedding was released, not leaked
+    # Server spans carry the status their call ended with: the entry's Generate and, split off, the
+    # Encode that refused the item.
+    refused = {"GenerateService/Generate"} | ({"EncoderService/Encode"} if layout != "colocated" else set())
+
+    def statuses(spans: list[SpanRecord]) -> dict[str, object]:
+        return {s.name: s.attributes["rpc.grpc.status_code"] for s in spans if "rpc.grpc.status_code" in s.attributes}
+
+    spans = trace_spans(receiver, trace_id, lambda ss: refused <= set(statuses(ss)))
+    assert statuses(spans) == dict.fromkeys(refused, grpc.StatusCode.INVALID_ARGUMENT.value[0])
 
 
 @pytest.mark.timeout(120)
