@@ -135,7 +135,7 @@ def deadline_of(time_remaining: float | None) -> float | None:
     return None if time_remaining is None else time.monotonic() + time_remaining
 
 
-# A request this large is followed by a garbage collection (see `admitted`), in bytes.
+# A request this large gives its memory back when its call ends (see `_give_back`), in bytes.
 LARGE_REQUEST_BYTES = 8 << 20
 
 
