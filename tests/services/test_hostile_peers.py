@@ -168,13 +168,15 @@ def test_requests_at_the_size_limit_repeated_stay_bounded(stacks: Callable[[str]
                     codes.append(exc.code().name)
         return codes
 
+    bound_mib = 48
+
     def growth_settles(since: dict[str, float]) -> dict[str, float]:
-        """RSS growth since `since` once it is below 48 MiB everywhere (or after 10 s): memory goes
-        back when each call has ended, just after the client has its status."""
+        """RSS growth since `since` once it is within the bound everywhere (or after 10 s): memory
+        goes back when each call has ended, just after the client has its status."""
         deadline = time.monotonic() + 10
         while True:
             grown = {name: _rss_mib(pid) - since[name] for name, pid in pids.items()}
-            if all(mib < 48 for mib in grown.values()) or time.monotonic() > deadline:
+            if all(mib < bound_mib for mib in grown.values()) or time.monotonic() > deadline:
                 return grown
             time.sleep(0.1)
 
@@ -184,9 +186,9 @@ def test_requests_at_the_size_limit_repeated_stay_bounded(stacks: Callable[[str]
     before = {name: _rss_mib(pid) for name, pid in pids.items()}
     assert asyncio.run(send(2)) == ["INVALID_ARGUMENT"] * 2  # zeros are not an image: a typed refusal
     held = growth_settles(before)
-    assert all(mib < 48 for mib in held.values()), held
+    assert all(mib < bound_mib for mib in held.values()), held
     warm = {name: _rss_mib(pid) for name, pid in pids.items()}
     assert asyncio.run(send(6)) == ["INVALID_ARGUMENT"] * 6
     grown = growth_settles(warm)
-    assert all(mib < 48 for mib in grown.values()), grown
+    assert all(mib < bound_mib for mib in grown.values()), grown
     wait_pools_empty(stack)
