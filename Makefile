@@ -111,9 +111,10 @@ FUZZ_SECONDS ?= 60
 fuzz: deps models ## coverage-guided fuzzing (atheris) of every input surface, FUZZ_SECONDS each; finds in var/fuzz/found
 	$(PY) -m tests.fuzz.run all --seconds $(FUZZ_SECONDS)
 
-SOAK_SECONDS ?= 900
-soak: deps models ## chaos soak: supervised E/P/D stack under load, roles killed in turn; lost must be 0 (not in make test)
-	$(PY) -m tests.soak.soak --duration-s $(SOAK_SECONDS) --max-requests 20000
+SOAK_ROUNDS ?= 3
+SOAK_SECONDS ?= 1800
+soak: deps models ## chaos soak: supervised E/P/D stack under load, every role killed SOAK_ROUNDS times in turn; lost must be 0 (not in make test)
+	$(PY) -m tests.soak.soak --rounds $(SOAK_ROUNDS) --time-limit-s $(SOAK_SECONDS)
 
 clean: ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

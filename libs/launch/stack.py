@@ -63,6 +63,10 @@ class StackSpec:
     engine: str = "reference"
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service (EPD_*)
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service name
+    # Per service name, a module (and its arguments) the service is run through, as
+    # `python -m WRAPPER ARGS... MODULE SERVICE_ARGS...`: a test harness that forces a fault inside
+    # an unchanged service (tests/support/held_encode.py holds an encoder's calls until it dies).
+    run_through: dict[str, list[str]] = field(default_factory=dict)
     ready_timeout_s: float = 120.0
 
 
@@ -127,10 +131,14 @@ class Stack:
 
     def _process(self, name: str, module: str, args: list[str]) -> ServiceProcess:
         spec = self.spec
+        args = [*args, *self._port_args(), *self._security_args(name, module), *spec.extra_args.get(name, [])]
+        if name in spec.run_through:
+            wrapper, *wrapper_args = spec.run_through[name]
+            module, args = wrapper, [*wrapper_args, module, *args]
         process = ServiceProcess(
             name=name,
             module=module,
-            args=[*args, *self._port_args(), *self._security_args(name, module), *spec.extra_args.get(name, [])],
+            args=args,
             log_path=spec.run_dir / f"{name}.log",
             env=spec.env,
         )

@@ -359,13 +359,15 @@ def doomed_stack(
     tmp_path_factory: pytest.TempPathFactory,
     receiver: OtlpReceiver,
 ) -> Iterator[Stack]:
-    """A stack of its own per layout with encoders: this module's tests kill one of its encoders."""
+    """A stack of its own per layout with two encoders, one of which this module's test kills:
+    encoder-0 holds every Encode call of the test's requests (ids "kill-...") until it dies."""
     spec = StackSpec(
         layout=request.param,
         encoders=2,
         model=model_path,
         run_dir=tmp_path_factory.mktemp("doomed"),
         env=tracing_env(receiver),
+        run_through={"encoder-0": ["tests.support.held_encode", "kill-"]},
     )
     stack = Stack(spec)
     stack.up()
@@ -376,23 +378,19 @@ def doomed_stack(
 @pytest.mark.slow  # a stack of its own
 @pytest.mark.timeout(300)
 def test_encoder_killed_mid_load(doomed_stack: Stack, expected: dict[str, list[int]], receiver: OtlpReceiver) -> None:
-    """SIGKILL one of two encoders while it holds work (E/P/D and E+PD). The design's bound: a request whose items the
-    dead encoder held is retried on the other encoder (encode failed) or re-encoded there (prefill
-    found the embedding gone) before its first token, and a request that never touched it is not
-    affected; so every request completes, with the model's own tokens."""
+    """SIGKILL one of two encoders while it holds work (E/P/D and E+PD). The design's bound: a
+    request whose items the dead encoder held is retried on the other encoder before its first
+    token, and a request that never touched it is not affected; so every request completes, with
+    the model's own tokens. The kill provably costs work on any host: encoder-0 holds each of
+    these requests' Encode calls until it dies, and is killed once it holds one."""
     stack = doomed_stack
     victim = stack.processes["encoder-0"]
     plan = ["two_images", "image", "video", "audio_image"] * 6
     slug = _slug(stack.spec.layout)  # request ids of their own: both layouts' spans reach one receiver
     requests = [request_for(MIXES[name], request_id=f"kill-{slug}-{i}") for i, name in enumerate(plan)]
-    held: list[object] = []
 
     def holds_work() -> bool:
-        stats = pool_stats(victim.address)
-        if stats.requests_in_flight or stats.pool.active_leases:
-            held.append(stats)
-            return True
-        return False
+        return pool_stats(victim.address).requests_in_flight > 0
 
     async def load() -> list[GenerationResult | str]:
         async def one(request: generate_pb2.GenerateRequest) -> GenerationResult | str:
@@ -403,22 +401,22 @@ def test_encoder_killed_mid_load(doomed_stack: Stack, expected: dict[str, list[i
                     return f"{exc.code().name}: {exc.details()}"
 
         tasks = [asyncio.ensure_future(one(r)) for r in requests]
-        # Kill it the moment it holds work (an encode running or waiting, or embeddings not yet
-        # read by prefill), polled off the event loop the requests run on.
-        await asyncio.to_thread(wait_for, holds_work, 60, "encoder-0 to hold work", 0.005)
+        # Kill it once it holds an encode (polled off the event loop the requests run on).
+        await asyncio.to_thread(wait_for, holds_work, 60, "encoder-0 to hold an encode", 0.01)
         victim.kill()  # SIGKILL: no drain, its memory is gone
         return list(await asyncio.gather(*tasks))
 
     outcomes = asyncio.run(load())
-    assert held, "encoder-0 held no work when it was killed"
     failed = {requests[i].request_id: o for i, o in enumerate(outcomes) if isinstance(o, str)}
     assert not failed, f"{len(failed)} of {len(plan)} requests failed: {failed}"
     wrong = {i: plan[i] for i, r in enumerate(outcomes) if r.token_ids != expected[plan[i]]}  # type: ignore[union-attr]
     assert not wrong
-    # The kill cost requests something: some had an item on encoder-0 and got it from encoder-1.
+    # The kill cost requests something: every item sent to encoder-0 was held there, so each of
+    # them (at least one) had to be encoded by encoder-1 after the kill.
     touched = _encoders_per_item(receiver, {r.request_id for r in requests}, 24)
-    moved = {key for key, addresses in touched.items() if victim.address in addresses and len(addresses) > 1}
-    assert moved, f"no request had to move off the killed encoder: {touched}"
+    sent_to_victim = {key: addresses for key, addresses in touched.items() if victim.address in addresses}
+    assert sent_to_victim, f"no item was sent to the killed encoder: {touched}"
+    assert all(len(addresses) > 1 for addresses in sent_to_victim.values()), sent_to_victim
     survivors = [name for name in stack.processes if name != "encoder-0"]  # prefill and decode, or PD
     assert {"encoder-1", "router"} < set(survivors)
     for name in survivors:

@@ -2,6 +2,12 @@
 fault injector kills (SIGKILL and SIGTERM, alternately) an encoder, the prefill, the decode, the
 router and the store master in turn, and the supervisor brings each back.
 
+The soak is driven by its faults, not by a clock or a request count: each fault waits for a
+settled stack (every role up) and a window of completed requests since the last recovery, then
+kills its role and waits for the supervisor to report it ready again; the load stops once every
+planned fault has been made and recovered and one more window has completed after the last. Time
+and request count only bound it (a soak that hits either is reported incomplete, and fails).
+
 Every request ends in one of three ways, counted apart:
 - completed, with tokens equal to the reference run's (the same request sent before any fault);
 - failed with a typed status from the stack (UNAVAILABLE while a stage was down mid-stream, ...);
@@ -9,8 +15,8 @@ Every request ends in one of three ways, counted apart:
 At the end every pool and lease must be empty, and each service's resident memory is reported
 (first sample after warm-up against the last) to show it stays flat.
 
-    python -m tests.soak.soak --duration-s 900 --max-requests 12000    # make soak (full)
-tests/services/test_chaos_soak.py runs a short mode in `make test`.
+    python -m tests.soak.soak --rounds 3 --time-limit-s 1800    # make soak (full)
+tests/services/test_chaos_soak.py runs one round in `make test`.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,11 +50,15 @@ ROLES = ("encoder-0", "prefill", "decode", "router", STORE_MASTER, "encoder-1")
 class SoakConfig:
     model: Path
     run_dir: Path
-    duration_s: float = 120.0
-    max_requests: int = 1000
+    faults: tuple[str, ...] = ROLES  # killed in this order, once per round
+    rounds: int = 1
+    # Requests completed (right tokens) on a settled stack before each fault and after the last
+    # recovery: the window each fault's effect is measured against.
+    window_requests: int = 20
+    time_limit_s: float = 600.0  # bounds the load phase: faults not made and recovered by then fail the soak
+    max_requests: int = 100_000  # bounds the load phase in count (a runaway guard, never the planned end)
     clients: int = 6
-    fault_every_s: float = 20.0  # one kill per period, roles in turn
-    faults: tuple[str, ...] = ROLES
+    recovery_timeout_s: float = 180.0  # one role's restart, as the supervisor reports it
     request_timeout_s: float = 90.0
     max_tokens: int = 8
     seed: int = 0
@@ -61,6 +72,12 @@ class SoakResult:
     lost_wrong: int = 0
     lost_no_answer: int = 0
     kills: list[str] = field(default_factory=list)
+    # One per fault made: role, signal, requests completed in the window before it, seconds until
+    # the supervisor reported the role ready again (None: not recovered).
+    windows: list[dict[str, object]] = field(default_factory=list)
+    # Empty when every planned fault was made and recovered and the last window completed;
+    # otherwise what the soak was still waiting for when a bound ended it.
+    incomplete: str = ""
     restarts: dict[str, int] = field(default_factory=dict)
     pools_empty: bool = False
     busy_pools: str = ""
@@ -175,16 +192,56 @@ def run_soak(config: SoakConfig, log: Path | None = None) -> SoakResult:
         outcomes: Counter[str] = Counter()
         started = time.monotonic()
 
+        def completed() -> int:
+            return outcomes["completed"]
+
+        def incomplete(why: str) -> None:
+            if not result.incomplete:  # the first reason is the one that ended the soak
+                result.incomplete = why
+
+        def wait(condition: Callable[[], bool], deadline: float) -> bool:
+            while not condition():
+                if time.monotonic() > deadline or stop_load.is_set():
+                    return False
+                time.sleep(0.05)
+            return True
+
+        def window_done(since: int) -> Callable[[], bool]:
+            return lambda: supervisor.settled() and completed() - since >= config.window_requests
+
+        def ready_again(role: str, restarts: int) -> Callable[[], bool]:
+            return lambda: supervisor.log.restarts(role) > restarts and supervisor.settled()
+
         def inject() -> None:
-            sig_cycle = [signal.SIGKILL, signal.SIGTERM]
-            i = 0
-            while not stop_load.wait(config.fault_every_s):
-                role = config.faults[i % len(config.faults)]
-                sig = sig_cycle[(i // len(config.faults) + i) % 2]
-                if _kill(stack, role, sig):
-                    result.kills.append(f"{role}:{signal.Signals(sig).name}")
-                    note(f"fault: {role} {signal.Signals(sig).name}")
-                i += 1
+            """Each fault in turn, on a settled stack after a window of completed requests."""
+            deadline = started + config.time_limit_s
+            schedule = [role for _ in range(config.rounds) for role in config.faults]
+            window_start = completed()
+            for i, role in enumerate(schedule):
+                if not wait(window_done(window_start), deadline):
+                    incomplete(f"fault {i} ({role}): {completed() - window_start} requests in its window")
+                    break
+                sig = (signal.SIGKILL, signal.SIGTERM)[(i // len(config.faults) + i) % 2]
+                restarts = supervisor.log.restarts(role)
+                window: dict[str, object] = {"role": role, "signal": signal.Signals(sig).name}
+                window["requests"] = completed() - window_start
+                if not _kill(stack, role, sig):
+                    incomplete(f"fault {i} ({role}): not running on a settled stack")
+                    break
+                killed_at = time.monotonic()
+                result.kills.append(f"{role}:{signal.Signals(sig).name}")
+                result.windows.append(window)
+                note(f"fault: {role} {signal.Signals(sig).name} after {window['requests']} requests")
+                if not wait(ready_again(role, restarts), min(deadline, killed_at + config.recovery_timeout_s)):
+                    window["recovery_s"] = None
+                    incomplete(f"fault {i} ({role}): not ready again")
+                    break
+                window["recovery_s"] = round(time.monotonic() - killed_at, 1)
+                window_start = completed()
+            else:
+                if not wait(window_done(window_start), deadline):
+                    incomplete(f"after the last fault: {completed() - window_start} requests")
+            stop_load.set()
 
         async def load() -> None:
             rng = random.Random(config.seed + 1)
@@ -194,7 +251,7 @@ def run_soak(config: SoakConfig, log: Path | None = None) -> SoakResult:
                     while (
                         not stop_load.is_set()
                         and result.sent < config.max_requests
-                        and time.monotonic() - started < config.duration_s
+                        and time.monotonic() - started < config.time_limit_s
                     ):
                         index = rng.randrange(len(requests))
                         result.sent += 1
@@ -212,13 +269,15 @@ def run_soak(config: SoakConfig, log: Path | None = None) -> SoakResult:
                         outcomes["completed" if got.token_ids == reference[index] else "lost:wrong"] += 1
 
                 async def sampler() -> None:
-                    while not stop_load.is_set() and time.monotonic() - started < config.duration_s + 5:
+                    while not stop_load.is_set() and time.monotonic() - started < config.time_limit_s:
                         memory.sample()
                         await asyncio.sleep(2.0)
 
                 clients = asyncio.gather(*(client() for _ in range(config.clients)))
                 sampling = asyncio.ensure_future(sampler())
                 await clients
+                if not stop_load.is_set():  # the load's bounds came before the faults were done
+                    incomplete(f"the load's bounds ended it first: {result.sent} requests")
                 stop_load.set()
                 await sampling
 
@@ -264,21 +323,26 @@ def _pools_empty(stack: Stack) -> tuple[bool, str]:
 def render(result: SoakResult) -> str:
     failed = ", ".join(f"{code} {n}" for code, n in result.failed.items()) or "none"
     rss = "; ".join(f"{role} {a:.0f}->{b:.0f}" for role, (a, b) in result.rss_mib.items())
+    windows = "; ".join(
+        f"{w['role']} after {w['requests']} requests, back in {w.get('recovery_s')} s" for w in result.windows
+    )
     return (
         f"sent {result.sent}, completed {result.completed}, failed {sum(result.failed.values())} ({failed}), "
         f"lost {result.lost} (wrong {result.lost_wrong}, no answer {result.lost_no_answer}) "
         f"in {result.duration_s:.0f} s\n"
         f"kills: {', '.join(result.kills)}\nrestarts: {result.restarts}\n"
+        f"windows: {windows}\nincomplete: {result.incomplete or 'no'}\n"
         f"pools empty: {result.pools_empty} {result.busy_pools}\nRSS MiB (after warm-up -> end): {rss}"
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.soak.soak", description=__doc__.splitlines()[0])
-    parser.add_argument("--duration-s", type=float, default=900.0)
-    parser.add_argument("--max-requests", type=int, default=12000)
+    parser.add_argument("--rounds", type=int, default=3, help="times every role is killed, in turn")
+    parser.add_argument("--window-requests", type=int, default=100, help="completed requests before each fault")
+    parser.add_argument("--time-limit-s", type=float, default=1800.0, help="bound of the load phase")
+    parser.add_argument("--max-requests", type=int, default=100_000, help="bound of the load phase in count")
     parser.add_argument("--clients", type=int, default=6)
-    parser.add_argument("--fault-every-s", type=float, default=20.0)
     parser.add_argument("--run-dir", type=Path, default=Path("var/soak"))
     parser.add_argument("--out", type=Path, default=Path("var/soak/result.json"))
     ns = parser.parse_args()
@@ -287,15 +351,16 @@ def main() -> None:
     config = SoakConfig(
         model=ensure_checkpoint("qwen2_5_omni", "tiny"),
         run_dir=ns.run_dir,
-        duration_s=ns.duration_s,
+        rounds=ns.rounds,
+        window_requests=ns.window_requests,
+        time_limit_s=ns.time_limit_s,
         max_requests=ns.max_requests,
         clients=ns.clients,
-        fault_every_s=ns.fault_every_s,
     )
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     result = run_soak(config, log=ns.out)
     print(render(result))
-    sys.exit(0 if result.lost == 0 and result.pools_empty else 1)
+    sys.exit(0 if result.lost == 0 and result.pools_empty and not result.incomplete else 1)
 
 
 if __name__ == "__main__":
