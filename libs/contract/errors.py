@@ -59,6 +59,12 @@ class Unavailable(EpdError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class PermissionDenied(EpdError):
+    """The caller is known but may not do this (e.g. send tensor bytes inside a request without TLS)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class DeadlineExceeded(EpdError):
     """The request's deadline passed while we waited on our side."""
 
@@ -72,7 +78,16 @@ class DataLoss(EpdError):
 
 
 _BY_CODE: dict[grpc.StatusCode, type[EpdError]] = {
-    cls.code: cls for cls in (FailedPrecondition, NotFound, ResourceExhausted, Unavailable, DeadlineExceeded, DataLoss)
+    cls.code: cls
+    for cls in (
+        FailedPrecondition,
+        NotFound,
+        ResourceExhausted,
+        Unavailable,
+        PermissionDenied,
+        DeadlineExceeded,
+        DataLoss,
+    )
 }
 
 

@@ -30,14 +30,14 @@ from libs.transfer.stamp import CAPABILITY, CHECKSUMS_CAPABILITY
 from tests.services.conftest import wait_pools_empty
 
 
-def _encode(encoder: str, seed: int) -> layout_pb2.EncodedMedia:
+def _encode(encoder: str, seed: int, transport: int = tensor_pb2.TRANSPORT_KIND_NIXL) -> layout_pb2.EncodedMedia:
     image = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(60, 90, seed=seed))
     with grpc.insecure_channel(encoder) as channel:
         reply = encoder_pb2_grpc.EncoderServiceStub(channel).Encode(
             encoder_pb2.EncodeRequest(
                 request_id=f"trust-{seed}",
                 items=[encoder_pb2.EncodeItem(item_index=0, media=image)],
-                accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+                accepted_transports=[transport],
             ),
             timeout=60,
         )
@@ -104,4 +104,22 @@ def test_prefill_refuses_handles_that_name_no_live_lease(stacks: Callable[[str],
 
     # The live lease was not consumed by the refused read: its owner still prefills with it.
     assert _prefill(prefill, live).first_chunk.token_ids
+    wait_pools_empty(stack)
+
+
+@pytest.mark.timeout(120)
+def test_prefill_without_tls_refuses_inline_handles(stacks: Callable[[str], Stack]) -> None:
+    """Tensor bytes inside a request would let any caller inject embeddings: a prefill without TLS
+    (and without --accept-inline-tensors) refuses an INLINE handle with PERMISSION_DENIED naming
+    it (docs/security.md), not INTERNAL, and keeps serving."""
+    stack = stacks("e/p/d")
+    encoder = stack.processes["encoder-0"].address
+    prefill = stack.processes["prefill"].address
+    inline = _encode(encoder, seed=13, transport=tensor_pb2.TRANSPORT_KIND_INLINE)
+    assert inline.embeddings.transport == tensor_pb2.TRANSPORT_KIND_INLINE
+    with pytest.raises(grpc.RpcError) as caught:
+        _prefill(prefill, inline)
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, caught.value.details()
+    assert f"inline handle {inline.embeddings.lease_id}" in (caught.value.details() or "")
+    assert _prefill(prefill, _encode(encoder, seed=14)).first_chunk.token_ids
     wait_pools_empty(stack)
