@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
@@ -35,11 +36,39 @@ _log = structlog.get_logger(__name__)
 
 # grpcio-reflection ships only v1alpha, but current clients (grpcurl, Postman, grpc_cli) ask for
 # grpc.reflection.v1 first. The two protocols' messages are field-for-field identical (v1 renamed
-# the package), so the same servicer answers both.
+# the package), so the same servicer answers both, and v1's schema is v1alpha's under v1's names.
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+_V1_PACKAGE = "grpc.reflection.v1"
+
+
+def _register_reflection_v1_schema() -> None:
+    """Adds grpc/reflection/v1/reflection.proto to the default descriptor pool (what reflection
+    answers from), so a client can resolve the v1 service it is listed as: built from v1alpha's
+    file with the package renamed."""
+    pool = descriptor_pool.Default()
+    name = "grpc/reflection/v1/reflection.proto"
+    try:
+        pool.FindFileByName(name)
+        return
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    old = f".{proto.package}."
+    proto.name, proto.package = name, _V1_PACKAGE
+    proto.ClearField("options")  # v1alpha's options name v1alpha's Java and Go packages, and deprecate it
+    for message in proto.message_type:
+        for message_field in message.field:
+            if message_field.HasField("type_name"):  # message and enum fields only
+                message_field.type_name = message_field.type_name.replace(old, f".{_V1_PACKAGE}.")
+    for method in proto.service[0].method:
+        method.input_type = method.input_type.replace(old, f".{_V1_PACKAGE}.")
+        method.output_type = method.output_type.replace(old, f".{_V1_PACKAGE}.")
+    pool.AddSerializedFile(proto.SerializeToString())
 
 
 def _add_reflection_v1(server: grpc.aio.Server, service_names: list[str]) -> None:
+    _register_reflection_v1_schema()
     servicer = reflection.aio.ReflectionServicer(service_names)  # type: ignore[attr-defined]  # missing from __all__
     handler = grpc.stream_stream_rpc_method_handler(
         servicer.ServerReflectionInfo,
