@@ -20,7 +20,7 @@ from libs.cache.store import (
     StoreStatus,
     classify,
 )
-from tests.cache.helpers import FakeMooncake, Metrics
+from tests.support.cache import FakeMooncake, Metrics
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -40,7 +40,7 @@ from libs.engine.types import (
     SamplingParams,
     TextPart,
 )
-from tests.engine.conftest import FAMILIES, Engines
+from tests.support.engines import FAMILIES, Engines
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,7 @@ from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.media import synthetic
 from libs.engine.prefill_runner import PrefillRunner
 from libs.engine.types import ChatMessage, ChatRole, EncodedPart, MediaInput, Modality, SamplingParams, TextPart
-from tests.engine.conftest import Engines
+from tests.support.engines import Engines
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -33,7 +33,7 @@ from libs.launch.k8s import LANE_LABEL, OCCUPANCY_METRIC
 from libs.launch.process import ServiceProcess, free_port
 from libs.launch.stack import Stack, StackSpec
 from libs.rpc.server import open_channel
-from tests.engines.vllm_stack import (
+from tests.support.vllm_stack import (
     TokenStream,
     call,
     call_prefill,

@@ -37,7 +37,7 @@ from libs.contract.epd.v1 import (
 from libs.engine.media import synthetic
 from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
-from tests.engines.vllm_stack import (
+from tests.support.vllm_stack import (
     TokenStream,
     call,
     cancel_after_chunks,

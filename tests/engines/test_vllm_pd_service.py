@@ -26,7 +26,7 @@ from libs.launch.k8s import LANE_LABEL, OCCUPANCY_METRIC
 from libs.launch.process import ServiceProcess, free_port
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.server import open_channel
-from tests.engines.vllm_stack import (
+from tests.support.vllm_stack import (
     TokenStream,
     probe_until_refused,
     sample_values,

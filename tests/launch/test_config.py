@@ -25,22 +25,9 @@ from libs.launch.config import (
     role_settings,
     stack_spec,
 )
-from services.colocated.service import ColocatedSettings
-from services.decode.service import DecodeSettings
-from services.encoder.service import EncoderSettings
-from services.pd.service import PrefillDecodeSettings
-from services.prefill.service import PrefillSettings
-from services.router.service import RouterSettings
+from tests.support.service_settings import SETTINGS
 
 STACKS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "stacks").glob("*.yaml"))
-SETTINGS = {
-    "router": RouterSettings,
-    "encoder": EncoderSettings,
-    "prefill": PrefillSettings,
-    "decode": DecodeSettings,
-    "pd": PrefillDecodeSettings,
-    "colocated": ColocatedSettings,
-}
 
 
 def _fields(cls: type[Any]) -> set[str]:

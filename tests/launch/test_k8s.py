@@ -25,7 +25,7 @@ from libs.launch.k8s import (
     overlay_files,
     render,
 )
-from tests.launch.test_config import SETTINGS
+from tests.support.service_settings import SETTINGS
 
 KUBERNETES_VERSION = "1.33.0"
 DESCRIPTIONS = sorted(STACKS.glob("*.yaml"))

@@ -23,8 +23,8 @@ from libs.contract.epd.v1 import (
 )
 from services.router.core import Backends, Router
 from services.router.encoders import EncoderPool
-from tests.contract import samples
-from tests.router.test_core import Leases, StreamCall
+from tests.support import samples
+from tests.support.router_harness import Leases, StreamCall
 
 TS = 100  # <|0.00|> in this toy vocabulary
 EOT = 99

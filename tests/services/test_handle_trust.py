@@ -27,7 +27,7 @@ from libs.contract.epd.v1 import (
 from libs.engine.media import synthetic
 from libs.launch.stack import Stack
 from libs.transfer.stamp import CAPABILITY, CHECKSUMS_CAPABILITY
-from tests.services.conftest import wait_pools_empty
+from tests.support.stacks import wait_pools_empty
 
 
 def _encode(encoder: str, seed: int) -> layout_pb2.EncodedMedia:

@@ -25,8 +25,8 @@ from libs.contract.epd.v1 import (
 from libs.engine.media import synthetic
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack
-from tests.services.conftest import MIXES, pool_stats, wait_pools_empty
-from tests.services.golden import request_for
+from tests.support.golden import request_for
+from tests.support.stacks import MIXES, pool_stats, wait_pools_empty
 
 
 def _rss_mib(pid: int) -> float:

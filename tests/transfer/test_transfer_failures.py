@@ -17,8 +17,7 @@ from libs.transfer import (
     TransferConfig,
     TransferTimeout,
 )
-from tests.transfer.conftest import MiB, Resolver
-from tests.transfer.peer import PeerError, PeerProcess, digest
+from tests.support.transfer_peer import MiB, PeerError, PeerProcess, Resolver, digest
 
 
 @pytest.fixture
