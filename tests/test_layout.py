@@ -8,6 +8,10 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 # Run by hand or by make, and beside the tests they belong to; they import from tests/support.

@@ -16,7 +16,7 @@ from libs.cache.entry import CacheEntry, EntryError, encode
 from libs.engine.types import Modality
 from tests.support.cache import NS, SPECS, FakeStore, Metrics, make_entry
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 @pytest.fixture

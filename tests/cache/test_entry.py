@@ -14,6 +14,8 @@ from libs.cache.keys import CacheKey
 from libs.engine.types import Modality
 from tests.support.cache import NS, SPECS, make_entry, specs_for
 
+pytestmark = pytest.mark.unit
+
 PREFIX = struct.Struct("<4sHHIQI")
 
 

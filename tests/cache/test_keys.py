@@ -10,6 +10,8 @@ from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
 from libs.engine.types import MediaInput, Modality, ProcessorOptions
 from tests.support.cache import NS
 
+pytestmark = pytest.mark.unit
+
 
 def test_content_hash_is_the_engines_media_hash() -> None:
     from libs.engine.encoder_runner import media_hash

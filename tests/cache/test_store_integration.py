@@ -22,7 +22,7 @@ from libs.cache.store import MooncakeStoreClient, StoreConfig, StoreStatus
 from libs.engine.types import Modality
 from tests.support.cache import NS, SPECS, Metrics, make_entry
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 def new_cache(

@@ -22,7 +22,7 @@ from libs.cache.store import (
 )
 from tests.support.cache import FakeMooncake, Metrics
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def client(fake: FakeMooncake, metrics: Metrics | None = None, **overrides: float) -> MooncakeStoreClient:

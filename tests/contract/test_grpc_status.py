@@ -23,6 +23,8 @@ from libs.contract.errors import ResourceExhausted
 from libs.contract.grpc_status import ERROR_FIELD_METADATA_KEY, ErrorMappingInterceptor
 from tests.support import samples
 
+pytestmark = pytest.mark.unit
+
 
 class Encoder(encoder_pb2_grpc.EncoderServiceServicer):
     def __init__(self) -> None:

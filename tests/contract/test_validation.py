@@ -16,6 +16,8 @@ from libs.contract.errors import InvalidArgument
 from libs.contract.version import CONTRACT_MINOR, incompatibility
 from tests.support import samples
 
+pytestmark = pytest.mark.unit
+
 VALIDATORS: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
     "GenerateRequest": (samples.generate_request, v.validate_generate_request),
     "EncodeRequest": (samples.encode_request, v.validate_encode_request),

@@ -19,6 +19,8 @@ from libs.contract import validation
 from libs.contract.epd.v1 import lease_pb2, media_pb2
 from tests.support import samples
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

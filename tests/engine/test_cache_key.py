@@ -18,6 +18,8 @@ from tests.support import media_set
 from tests.support.engines import Engines
 from tests.support.parity import project_item
 
+pytestmark = pytest.mark.integration
+
 # One live change per option: each alters the tiny checkpoints' preprocessing of the item.
 LIVE_OPTIONS = [
     (Modality.IMAGE, "large_1500x1100", ProcessorOptions(max_pixels=28 * 28 * 40)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from libs.engine.prompt import build_prompt
@@ -12,6 +13,8 @@ from libs.engine.types import ChatMessage, ChatRole, EncodedPart, TextPart
 from tests.support.engines import Engines
 from tests.support.mixes import Mix, mixes
 from tests.support.reference import reference_inputs
+
+pytestmark = pytest.mark.integration
 
 
 def _mix(name: str) -> Mix:

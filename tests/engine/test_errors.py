@@ -42,7 +42,7 @@ from libs.engine.types import (
 )
 from tests.support.engines import FAMILIES, Engines
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def _encoder_with(encoder: EncoderRunner, limits: MediaLimits) -> EncoderRunner:

@@ -23,6 +23,8 @@ from tests.support.engines import Engines
 from tests.support.media_set import video_bytes
 from tests.support.parity import project_item
 
+pytestmark = pytest.mark.integration
+
 LIMITS = MediaLimits()
 
 

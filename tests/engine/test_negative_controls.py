@@ -21,7 +21,7 @@ from tests.support.mixes import mixes
 from tests.support.staged import reference_for, rel_diff
 from tests.support.wire import layout_to_dict
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 MATCH, DIFFER = 1e-5, 1e-3
 # Which video timing field each family's positions / prompt read.

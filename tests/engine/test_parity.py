@@ -28,6 +28,8 @@ from tests.support.hf_reference import (
 from tests.support.hf_transcription import TranscribedQwen2VLImageProcessor, TranscribedVideoProcessor
 from tests.support.parity import PROMPT_TEXT, Comparison, compare, project_item
 
+pytestmark = pytest.mark.integration
+
 CASES = [
     *[(f, Modality.IMAGE, c) for f in FAMILIES for c in media_set.images()],
     *[(f, Modality.VIDEO, c) for f in FAMILIES for c in media_set.videos()],

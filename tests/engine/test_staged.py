@@ -13,6 +13,8 @@ from tests.support.engines import FAMILIES, Engines
 from tests.support.mixes import Mix, mixes
 from tests.support.staged import reference_for, rel_diff, run_staged
 
+pytestmark = pytest.mark.stack
+
 # (image_exif and audio_stereo_44k run end to end in tests/services/test_golden.py; a family's mixes
 # decode in one batch here, at most DecodeRunner's default 8.)
 VISION_MIXES = ["text", "image", "two_images", "video", "video_capped"]

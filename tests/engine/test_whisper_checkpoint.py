@@ -17,6 +17,8 @@ from libs.engine.checkpoints.generate import ensure_converted
 from libs.engine.errors import CheckpointError
 from tests.support.ct2_writer import serialize, write_whisper_ct2
 
+pytestmark = pytest.mark.integration
+
 
 def _small_model(seed: int = 0) -> torch.nn.Module:
     from transformers import WhisperConfig, WhisperForConditionalGeneration

@@ -19,7 +19,7 @@ from tests.support.speech_corpus import UTTERANCES, utterance
 from tests.support.speech_wer import corpus_wer
 from tests.support.whisper_staged import Transcript, WhisperStages, load_reference, reference_tokens
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module", autouse=True)

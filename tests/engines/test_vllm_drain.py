@@ -49,7 +49,7 @@ from tests.support.vllm_stack import (
     until_draining,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
 # Through the router when prefill gets its signal, started in this order, each once the one before
 # streams (started together, the text stream once finished before the audio stream had its first

@@ -36,7 +36,7 @@ from tests.support.vllm_stack import (
     until_draining,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ADMITTED = 6  # the filler and the requests queued behind it, all inside vLLM
 # Sent together behind the filler: distinct priorities, so the order is vLLM's by priority alone
 # (the filler, at most ~4000 tokens, can end within a second on a fast host: no time to queue them

@@ -53,7 +53,7 @@ from tests.support.vllm_stack import (
     stats,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
 RELEASE_1_2 = "Contract 1.2 and the router's cache short-circuit"
 

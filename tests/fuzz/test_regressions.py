@@ -10,6 +10,8 @@ import pytest
 
 from tests.support.fuzz_targets import TARGETS, call, target
 
+pytestmark = pytest.mark.integration
+
 REGRESSIONS = Path(__file__).parent / "regressions"
 
 

@@ -14,6 +14,8 @@ from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack, StackSpec
 from libs.launch.supervisor import Supervisor
 
+pytestmark = pytest.mark.integration
+
 
 def _stack(tmp_path: Path, life_s: float) -> tuple[Stack, ServiceProcess]:
     stack = Stack(StackSpec(run_dir=tmp_path, fixed_ports=True))

@@ -15,6 +15,8 @@ from services.router.encoders import EncoderPool
 from tests.support.cache import FakeStore
 from tests.support.router_harness import Harness, distinct_image, image_request
 
+pytestmark = pytest.mark.unit
+
 PREFIX = "epd/enc/v1/" + "5e" * 16
 CACHE_INFO = service_info_pb2.EncoderCacheInfo(key_prefix=PREFIX, shared_store=True)
 

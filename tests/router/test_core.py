@@ -28,6 +28,8 @@ from services.router.encoders import EncoderPool
 from services.router.pool import MemberPool
 from tests.support.router_harness import Encoder, Harness, Leases, StreamCall, image_request, rpc_error
 
+pytestmark = pytest.mark.unit
+
 T = TypeVar("T")
 
 

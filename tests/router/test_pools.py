@@ -22,6 +22,8 @@ from services.router.pool import MemberPool
 from tests.support import samples
 from tests.support.router_harness import Encoder, Leases, StreamCall, image_request, rpc_error
 
+pytestmark = pytest.mark.unit
+
 
 def test_least_outstanding_with_round_robin_on_ties() -> None:
     pool = MemberPool(["a", "b", "c"], stage="prefill")

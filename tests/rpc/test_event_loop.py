@@ -13,6 +13,8 @@ import pytest
 from libs.client.generate import build_request, generate, open_channel
 from libs.launch.process import ServiceProcess
 
+pytestmark = pytest.mark.integration
+
 
 def _serving_line(log: Path) -> dict[str, object]:
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]

@@ -16,6 +16,8 @@ from libs.rpc.certs import LocalCa
 from libs.rpc.server import EpdServer, ServerOptions
 from tests.support import samples
 
+pytestmark = pytest.mark.unit
+
 
 def test_health_port_answers_plaintext_beside_a_tls_server() -> None:
     ca = LocalCa.create("cluster CA")

@@ -28,6 +28,8 @@ from libs.rpc.security import TlsMaterial, load_tokens
 from libs.rpc.server import EpdServer, ServerOptions, channel_options, open_channel
 from tests.support import samples
 
+pytestmark = pytest.mark.unit
+
 TOKEN = "t0ken-with-enough-entropy-0123456789"
 CA = LocalCa.create("cluster CA")
 OTHER_CA = LocalCa.create("somebody else's CA")

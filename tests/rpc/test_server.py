@@ -22,6 +22,8 @@ from libs.contract.validation import validate_encode_request
 from libs.rpc.server import EpdServer, ServerOptions, channel_options
 from tests.support import samples
 
+pytestmark = pytest.mark.unit
+
 
 class SlowEncoder(encoder_pb2_grpc.EncoderServiceServicer):
     def __init__(self) -> None:

@@ -24,6 +24,8 @@ import pytest
 from libs.client.generate import GenerationResult, build_request, generate, open_channel
 from libs.launch.process import ServiceProcess, free_port
 
+pytestmark = pytest.mark.integration
+
 FIRE_EVERY_S = 0.005  # an open-loop load: a new call every 5 ms, whatever the server does
 MAX_CALLS = 2000
 # Calls unanswered at once, at most: below what the replacement admits (64 running + 256 waiting),

@@ -30,6 +30,8 @@ from libs.telemetry.spans import load_jsonl
 from tests.support.epd_cli import EPD, cli_env, parse_table, run_epd
 from tests.support.stacks import run_requests
 
+pytestmark = pytest.mark.stack
+
 
 def _make_run_args() -> list[str]:
     """The arguments `make run` gives `epd`, as make itself expands its recipe (a dry run: nothing

@@ -76,6 +76,7 @@ def _check_finished(results: list[GenerationResult]) -> None:
         assert (len(result.token_ids), result.finish_reason) == (TOKENS, "FINISH_REASON_LENGTH"), result.request_id
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_colocated_drains_in_flight_requests_and_refuses_new_ones(model_path: Path, tmp_path: Path) -> None:
@@ -95,6 +96,7 @@ def test_colocated_drains_in_flight_requests_and_refuses_new_ones(model_path: Pa
     assert set(admitted) <= {"OK"} and refused.startswith("UNAVAILABLE: ") and "draining" in refused, probes
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_pd_drains_in_flight_requests(stacks: Callable[[str], Stack], model_path: Path, tmp_path: Path) -> None:
@@ -163,6 +165,7 @@ async def _prefill_restarted_under_load(
         return list(await asyncio.gather(*calls)), status
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_router_waits_out_a_prefill_restart_under_load(

@@ -25,6 +25,8 @@ from libs.launch.process import ServiceProcess, free_port
 from tests.support.load import Load, png_image
 from tests.support.stacks import pool_stats, wait_for
 
+pytestmark = pytest.mark.stack
+
 REFRESH_S = 0.3
 
 

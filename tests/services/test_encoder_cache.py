@@ -19,6 +19,8 @@ from tests.support.golden import request_for
 from tests.support.metrics import counter_total
 from tests.support.stacks import MIXES, run_requests, wait_pools_empty
 
+pytestmark = pytest.mark.stack
+
 
 @pytest.mark.timeout(240)
 def test_same_new_image_is_encoded_once(model_path: Path, tmp_path: Path, expected: dict[str, list[int]]) -> None:

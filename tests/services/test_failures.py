@@ -38,6 +38,8 @@ from tests.support.golden import request_for
 from tests.support.stacks import MIXES, pool_stats, run_requests, wait_for, wait_pools_empty
 from tests.support.tracing import trace_spans, traced, tracing_env
 
+pytestmark = pytest.mark.stack
+
 # Greedy decoding of this prompt on the tiny checkpoint runs to max_tokens without an EOS.
 ENDLESS = "Count forever."
 LAYOUTS = ["colocated", "e+pd", "e/p/d"]

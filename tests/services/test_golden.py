@@ -14,6 +14,8 @@ from libs.launch.stack import Stack
 from tests.support.golden import MAX_TOKENS, request_for
 from tests.support.stacks import MIXES, run_requests
 
+pytestmark = pytest.mark.stack
+
 LAYOUTS = ["colocated", "e+pd", "e/p/d"]
 
 

@@ -20,6 +20,8 @@ from tests.support.mixes import mixes
 from tests.support.reference import load_reference
 from tests.support.stacks import run_requests
 
+pytestmark = pytest.mark.stack
+
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
 MIXES = {mix.name: mix for mix in mixes(frozenset({Modality.IMAGE, Modality.VIDEO}))}
 

@@ -29,6 +29,8 @@ from libs.launch.stack import Stack
 from libs.transfer.stamp import CAPABILITY, CHECKSUMS_CAPABILITY
 from tests.support.stacks import wait_pools_empty
 
+pytestmark = pytest.mark.stack
+
 
 def _encode(encoder: str, seed: int) -> layout_pb2.EncodedMedia:
     image = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(60, 90, seed=seed))

@@ -11,6 +11,8 @@ from libs.launch.stack import Stack
 from tests.support.golden import request_for
 from tests.support.stacks import MIXES, run_requests, wait_pools_empty
 
+pytestmark = pytest.mark.stack
+
 
 @pytest.mark.timeout(600)
 def test_64_mixed_requests_in_flight(stacks: Callable[[str], Stack], expected: dict[str, list[int]]) -> None:

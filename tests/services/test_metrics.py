@@ -12,6 +12,8 @@ from libs.launch.process import ServiceProcess, free_port
 from tests.support.golden import request_for
 from tests.support.stacks import MIXES, run_requests
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.timeout(120)
 def test_prometheus_endpoint_serves_stage_histograms(model_path: Path, tmp_path: Path) -> None:

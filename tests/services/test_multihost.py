@@ -24,6 +24,8 @@ from libs.launch.process import ServiceProcess
 from tests.support.netns import NamespacesUnavailable, Topology, namespaces
 from tests.support.stacks import MIXES
 
+pytestmark = pytest.mark.stack
+
 HOSTS = ["client", "dns", "router", "encoder-0", "encoder-1", "prefill", "decode"]
 PORTS = {"router": 50051, "encoder": 50061, "prefill": 50071, "decode": 50081}
 METRICS_PORT = 9090

@@ -31,6 +31,8 @@ from tests.support.load import Load, png_image
 from tests.support.reference import load_reference
 from tests.support.stacks import MIXES, pool_stats, run_requests, wait_for
 
+pytestmark = pytest.mark.stack
+
 REFRESH_S = 0.3
 GOLDEN_MIXES = ("text", "image", "two_images", "audio_image")
 

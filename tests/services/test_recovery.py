@@ -35,6 +35,8 @@ from tests.support.interposer import Interposer
 from tests.support.stacks import MIXES, pool_stats, run_requests, wait_pools_empty
 from tests.support.tracing import tracing_env
 
+pytestmark = pytest.mark.stack
+
 # Per layout: the stage the interposer fronts and its method.
 STAGE = {"e/p/d": ("prefill", "Prefill"), "e+pd": ("pd", "PrefillDecode")}
 

@@ -19,6 +19,8 @@ from libs.launch.stack import Stack
 from tests.support.golden import request_for
 from tests.support.stacks import MIXES, run_requests
 
+pytestmark = pytest.mark.stack
+
 LAYOUTS = ["colocated", "e+pd", "e/p/d"]
 TOKENS = 24
 

@@ -24,6 +24,8 @@ from tests.support import samples
 from tests.support.golden import request_for
 from tests.support.stacks import MIXES
 
+pytestmark = pytest.mark.stack
+
 MIX_NAMES = ["image", "audio_image", "video"]
 
 

@@ -40,6 +40,8 @@ from libs.telemetry.spans import by_trace, load_jsonl
 from tests.support.golden import request_for
 from tests.support.stacks import MIXES, pool_stats, run_requests, wait_pools_empty
 
+pytestmark = pytest.mark.stack
+
 
 def _counter(port: int, name: str, **labels: str) -> float:
     """Sum of a Prometheus counter's samples on a live service, over samples carrying `labels`."""

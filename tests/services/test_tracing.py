@@ -34,6 +34,8 @@ from tests.support.golden import request_for
 from tests.support.stacks import MIXES
 from tests.support.tracing import trace_spans, traced
 
+pytestmark = pytest.mark.stack
+
 ROUTER_PHASES = {"router.queue", "epd.encode", "epd.prefill", "epd.decode"}
 
 

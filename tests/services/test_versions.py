@@ -23,6 +23,8 @@ from tests.support.golden import request_for
 from tests.support.release_tree import release_checkout
 from tests.support.stacks import MIXES
 
+pytestmark = pytest.mark.stack
+
 RELEASE_1_0 = "Release contract v1.0"
 MIX_NAMES = ["text", "image", "audio_image", "video"]
 UPGRADE_ORDER = ["router", "encoder-0", "encoder-1", "prefill", "decode"]

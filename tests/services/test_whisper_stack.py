@@ -28,7 +28,7 @@ from tests.support.speech_corpus import UTTERANCES, utterance
 from tests.support.stacks import run_requests
 from tests.support.whisper_staged import load_reference, reference_tokens
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 NAMES = ["short", "twenty_seconds", "long_form"]
 RELEASE_1_3 = "Contract 1.3: KvCache.paged"

@@ -22,6 +22,8 @@ from libs.transfer import (
 from libs.transfer.errors import InlineRefused
 from tests.support.transfer_peer import PeerProcess, Published, digest
 
+pytestmark = pytest.mark.integration
+
 EMBEDDINGS = [("embeddings", (64, 32), "float32")]
 
 

@@ -19,6 +19,8 @@ from libs.transfer import (
 )
 from tests.support.transfer_peer import MiB, PeerError, PeerProcess, Resolver, digest
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def peers() -> Iterator[list[PeerProcess]]:

@@ -27,6 +27,8 @@ from libs.transfer import (
 from libs.transfer.agent import PendingRead, Range
 from tests.support.transfer_peer import MiB, PeerError, PeerProcess, Published, Resolver, digest
 
+pytestmark = pytest.mark.integration
+
 KiB = 1 << 10
 
 
