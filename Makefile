@@ -20,7 +20,7 @@ SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 # espeak-ng synthesizes the speech the Whisper demo and tests transcribe.
 SYSTEM_PACKAGES := libibverbs1 espeak-ng
 
-.PHONY: help deps proto proto-check lint test run clean models bench-engine bench-transfer bench-cache bench-vllm bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign fuzz soak
+.PHONY: help deps proto proto-check lint test test-fast run clean models bench-engine bench-transfer bench-cache bench-vllm bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign fuzz soak
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -59,8 +59,11 @@ lint: deps ## ruff, mypy (strict) and the import layering contracts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: deps models proto-check lint ## the whole suite (what CI runs)
-	$(PY) -m pytest
+test: deps models proto-check lint ## the whole suite (what CI runs); prints the 25 slowest tests
+	$(PY) -m pytest --durations=25
+
+test-fast: deps models ## unit + integration tests (the edit loop; target under 3 minutes)
+	$(PY) -m pytest -m "(unit or integration) and not bench"
 
 # make run ENGINE=vllm: the PD service on vLLM (E+PD layout; ~1 min more to start, ~1.5 GB more memory)
 ENGINE ?= reference

@@ -17,6 +17,8 @@ from libs.bench.mix import MixSpec, PlannedRequest, plan_requests, sample_kind
 from libs.bench.stats import RequestRecord, Slo, summarize
 from libs.contract.epd.v1 import generate_pb2
 
+pytestmark = pytest.mark.unit
+
 
 def test_poisson_arrivals_have_the_rate_and_respect_both_bounds() -> None:
     times = poisson_arrivals(5.0, count=100_000, duration_s=1000.0, seed=1)

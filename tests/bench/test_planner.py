@@ -8,6 +8,8 @@ import pytest
 from libs.plan.profile import Profile, RequestProfile
 from libs.plan.simulate import Layout, Workload, recommend, simulate
 
+pytestmark = pytest.mark.unit
+
 
 def _req(kind: str, encode: tuple[float, ...], prefill_s: float, tokens: int) -> RequestProfile:
     return RequestProfile(kind, len(encode), encode, prefill_s, tokens, 1, 0.0, 0.01, 0.0)

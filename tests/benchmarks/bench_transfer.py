@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from libs.contract.epd.v1 import tensor_pb2  # noqa: E402
 from libs.transfer import TensorConsumer, TransferAgent, TransferConfig  # noqa: E402
 from libs.transfer.pool import MemoryPool  # noqa: E402
-from tests.transfer.peer import PeerProcess  # noqa: E402
+from tests.support.transfer_peer import PeerProcess  # noqa: E402
 
 MiB = 1 << 20
 SIZES_MIB = (1, 16, 64, 256)
@@ -212,7 +212,7 @@ def multihost_rows(reps: int, copy_cold: dict[int, Timings], inline: dict[int, T
     no cross-memory attach). Ratios against this run's loopback memcpy and inline gRPC."""
     import threading
 
-    from tests.multihost.netns import NamespacesUnavailable, Topology, enter
+    from tests.support.netns import NamespacesUnavailable, Topology, enter
 
     try:
         topology = Topology(["producer", "consumer"])

@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import pytest
+
 from libs.cache.breaker import BreakerState, CircuitBreaker
+
+pytestmark = pytest.mark.unit
 
 
 class Clock:

@@ -12,7 +12,9 @@ import torch
 from libs.cache.entry import CacheEntry, EntryError, EntryFault, check_entry, decode, encode
 from libs.cache.keys import CacheKey
 from libs.engine.types import Modality
-from tests.cache.helpers import NS, SPECS, make_entry, specs_for
+from tests.support.cache import NS, SPECS, make_entry, specs_for
+
+pytestmark = pytest.mark.unit
 
 PREFIX = struct.Struct("<4sHHIQI")
 

@@ -8,7 +8,9 @@ from libs.cache.keys import OPTION_FIELDS, CacheKey, Namespace, client_id_hash, 
 from libs.contract.epd.v1 import media_pb2
 from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
 from libs.engine.types import MediaInput, Modality, ProcessorOptions
-from tests.cache.helpers import NS
+from tests.support.cache import NS
+
+pytestmark = pytest.mark.unit
 
 
 def test_content_hash_is_the_engines_media_hash() -> None:

@@ -6,6 +6,8 @@ import pytest
 
 from libs.cache.local import LocalLru
 
+pytestmark = pytest.mark.unit
+
 
 def lru(max_bytes: int = 100, max_entries: int = 10) -> LocalLru[bytes]:
     return LocalLru(max_bytes, max_entries, len)

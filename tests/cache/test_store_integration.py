@@ -20,9 +20,9 @@ from libs.cache.entry import CacheEntry, decode, encode
 from libs.cache.process import StoreProcesses
 from libs.cache.store import MooncakeStoreClient, StoreConfig, StoreStatus
 from libs.engine.types import Modality
-from tests.cache.helpers import NS, SPECS, Metrics, make_entry
+from tests.support.cache import NS, SPECS, Metrics, make_entry
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 def new_cache(

@@ -20,9 +20,9 @@ from libs.cache.store import (
     StoreStatus,
     classify,
 )
-from tests.cache.helpers import FakeMooncake, Metrics
+from tests.support.cache import FakeMooncake, Metrics
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def client(fake: FakeMooncake, metrics: Metrics | None = None, **overrides: float) -> MooncakeStoreClient:

@@ -10,6 +10,8 @@ import pytest
 
 from libs.config import CommonSettings, SettingsError, load_settings, setting
 
+pytestmark = pytest.mark.unit
+
 
 @dataclasses.dataclass(frozen=True)
 class EncoderLike(CommonSettings):

@@ -21,7 +21,9 @@ from libs.contract.epd.v1 import (
 )
 from libs.contract.errors import ResourceExhausted
 from libs.contract.grpc_status import ERROR_FIELD_METADATA_KEY, ErrorMappingInterceptor
-from tests.contract import samples
+from tests.support import samples
+
+pytestmark = pytest.mark.unit
 
 
 class Encoder(encoder_pb2_grpc.EncoderServiceServicer):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 BUF = str(Path(sys.executable).parent / "buf")
 SNAPSHOTS = sorted(p for p in (ROOT / "proto" / "snapshots").iterdir() if p.is_dir())

@@ -14,7 +14,9 @@ from libs.contract import validation as v
 from libs.contract.epd.v1 import chat_pb2, layout_pb2, media_pb2, service_info_pb2, tensor_pb2
 from libs.contract.errors import InvalidArgument
 from libs.contract.version import CONTRACT_MINOR, incompatibility
-from tests.contract import samples
+from tests.support import samples
+
+pytestmark = pytest.mark.unit
 
 VALIDATORS: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
     "GenerateRequest": (samples.generate_request, v.validate_generate_request),

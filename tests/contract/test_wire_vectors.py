@@ -17,7 +17,9 @@ from google.protobuf.message import Message
 
 from libs.contract import validation
 from libs.contract.epd.v1 import lease_pb2, media_pb2
-from tests.contract import samples
+from tests.support import samples
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,49 +1,19 @@
+"""Fixtures of the engine tests: one `Engines` (tests/support/engines.py) per family, and the Omni
+tiny checkpoint's runners and reference model."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from libs.engine.checkpoints import ensure_checkpoint
 from libs.engine.decode_runner import DecodeRunner
 from libs.engine.encoder_runner import EncoderRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.prefill_runner import PrefillRunner
-from tests.engine.reference import load_reference
-
-FAMILIES = ("qwen2_5_omni", "qwen2_5_vl", "qwen3_vl")
-
-
-class Engines:
-    """One family's tiny checkpoint and in-process runners, built on first use."""
-
-    def __init__(self, family: str) -> None:
-        self.family = family
-
-    @cached_property
-    def path(self) -> Path:
-        return ensure_checkpoint(self.family, "tiny")
-
-    @cached_property
-    def encoder(self) -> EncoderRunner:
-        return EncoderRunner(self.path)
-
-    @cached_property
-    def runtime(self) -> LanguageModelRuntime:
-        return LanguageModelRuntime(self.path)
-
-    @cached_property
-    def prefill(self) -> PrefillRunner:
-        return PrefillRunner(self.runtime)
-
-    @cached_property
-    def reference(self) -> Any:
-        torch.manual_seed(0)
-        return load_reference(str(self.path))
+from tests.support.engines import Engines
 
 
 @pytest.fixture(scope="session")

@@ -14,9 +14,11 @@ import pytest
 from libs.cache.keys import OPTION_FIELDS, Namespace, content_hash
 from libs.engine.encoder_runner import EncoderRunner, media_hash
 from libs.engine.types import MediaInput, Modality, ProcessorOptions
-from tests.engine import media_set
-from tests.engine.conftest import Engines
-from tests.engine.parity import project_item
+from tests.support import media_set
+from tests.support.engines import Engines
+from tests.support.parity import project_item
+
+pytestmark = pytest.mark.integration
 
 # One live change per option: each alters the tiny checkpoints' preprocessing of the item.
 LIVE_OPTIONS = [

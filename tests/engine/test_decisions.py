@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from libs.engine.prompt import build_prompt
 from libs.engine.types import ChatMessage, ChatRole, EncodedPart, TextPart
-from tests.engine.conftest import Engines
-from tests.engine.mixes import Mix, mixes
-from tests.engine.reference import reference_inputs
+from tests.support.engines import Engines
+from tests.support.mixes import Mix, mixes
+from tests.support.reference import reference_inputs
+
+pytestmark = pytest.mark.integration
 
 
 def _mix(name: str) -> Mix:

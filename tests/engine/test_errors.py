@@ -40,9 +40,9 @@ from libs.engine.types import (
     SamplingParams,
     TextPart,
 )
-from tests.engine.conftest import FAMILIES, Engines
+from tests.support.engines import FAMILIES, Engines
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def _encoder_with(encoder: EncoderRunner, limits: MediaLimits) -> EncoderRunner:

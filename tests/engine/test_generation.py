@@ -9,7 +9,7 @@ from libs.engine.prefill_runner import PrefillRunner
 from libs.engine.stopping import TextStream, held_suffix
 from libs.engine.types import ChatMessage, ChatRole, FinishReason, SamplingParams, TextPart
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 PROMPTS = ["hello there", "tell me about the red car and the blue house", "one two three", "what is it"]
 

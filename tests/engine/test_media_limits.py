@@ -19,9 +19,11 @@ from libs.engine.media import synthetic
 from libs.engine.media.audio import decode_audio
 from libs.engine.media.limits import MediaLimits
 from libs.engine.types import MediaInput, Modality, ProcessorOptions
-from tests.engine.conftest import Engines
-from tests.engine.media_set import video_bytes
-from tests.engine.parity import project_item
+from tests.support.engines import Engines
+from tests.support.media_set import video_bytes
+from tests.support.parity import project_item
+
+pytestmark = pytest.mark.integration
 
 LIMITS = MediaLimits()
 

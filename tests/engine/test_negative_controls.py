@@ -16,12 +16,12 @@ from libs.engine.decode_runner import DecodeRunner
 from libs.engine.errors import EmbeddingMismatchError
 from libs.engine.prefill_runner import PrefillRunner
 from libs.engine.types import ChatMessage, ChatRole, EncodedItem, EncodedPart, SamplingParams, TextPart, VideoLayout
-from tests.engine.conftest import FAMILIES, Engines
-from tests.engine.mixes import mixes
-from tests.engine.staged import reference_for, rel_diff
-from tests.engine.wire import layout_to_dict
+from tests.support.engines import FAMILIES, Engines
+from tests.support.mixes import mixes
+from tests.support.staged import reference_for, rel_diff
+from tests.support.wire import layout_to_dict
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 MATCH, DIFFER = 1e-5, 1e-3
 # Which video timing field each family's positions / prompt read.

@@ -1,6 +1,6 @@
 """Preprocessing parity: for every family, modality and generated media case, the project's tower
 inputs, grids, audio features and lengths, seconds per grid and prompt token ids equal what the
-family's transformers processor produces (`hf_reference.py`: the real classes when torchvision
+family's transformers processor produces (`tests/support/hf_reference.py`: the real classes when torchvision
 imports, else the real family processor around transcribed torchvision parts). Items the reference
 refuses must be refused by the project with a typed error."""
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from libs.engine.types import Modality, ProcessorOptions
-from tests.engine import media_set
-from tests.engine.conftest import FAMILIES, Engines
-from tests.engine.hf_reference import (
+from tests.support import media_set
+from tests.support.engines import FAMILIES, Engines
+from tests.support.hf_reference import (
     RefItem,
     processor_composites_alpha,
     reference_batch,
@@ -25,8 +25,10 @@ from tests.engine.hf_reference import (
     reference_video,
     torchvision_ready,
 )
-from tests.engine.hf_transcription import TranscribedQwen2VLImageProcessor, TranscribedVideoProcessor
-from tests.engine.parity import PROMPT_TEXT, Comparison, compare, project_item
+from tests.support.hf_transcription import TranscribedQwen2VLImageProcessor, TranscribedVideoProcessor
+from tests.support.parity import PROMPT_TEXT, Comparison, compare, project_item
+
+pytestmark = pytest.mark.integration
 
 CASES = [
     *[(f, Modality.IMAGE, c) for f in FAMILIES for c in media_set.images()],

@@ -9,9 +9,11 @@ import pytest
 
 from libs.engine.checkpoint import Checkpoint
 from libs.engine.types import Modality
-from tests.engine.conftest import FAMILIES, Engines
-from tests.engine.mixes import Mix, mixes
-from tests.engine.staged import reference_for, rel_diff, run_staged
+from tests.support.engines import FAMILIES, Engines
+from tests.support.mixes import Mix, mixes
+from tests.support.staged import reference_for, rel_diff, run_staged
+
+pytestmark = pytest.mark.stack
 
 # (image_exif and audio_stereo_44k run end to end in tests/services/test_golden.py; a family's mixes
 # decode in one batch here, at most DecodeRunner's default 8.)

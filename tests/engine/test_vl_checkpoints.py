@@ -17,9 +17,9 @@ from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.media import synthetic
 from libs.engine.prefill_runner import PrefillRunner
 from libs.engine.types import ChatMessage, ChatRole, EncodedPart, MediaInput, Modality, SamplingParams, TextPart
-from tests.engine.conftest import Engines
+from tests.support.engines import Engines
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def _variant(source: Path, out: Path) -> Path:

@@ -15,7 +15,9 @@ from libs.engine.checkpoints import whisper
 from libs.engine.checkpoints.ct2 import read_ct2
 from libs.engine.checkpoints.generate import ensure_converted
 from libs.engine.errors import CheckpointError
-from tests.engine.ct2_writer import serialize, write_whisper_ct2
+from tests.support.ct2_writer import serialize, write_whisper_ct2
+
+pytestmark = pytest.mark.integration
 
 
 def _small_model(seed: int = 0) -> torch.nn.Module:

@@ -16,6 +16,8 @@ from libs.engine.families.whisper import WhisperAdapter
 from libs.engine.types import SamplingParams
 from libs.speech.longform import WindowSegmenter
 
+pytestmark = pytest.mark.integration
+
 BEGIN = 50363  # <|0.00|> in tiny.en
 VOCAB = 51864
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from libs.engine.checkpoints.generate import ensure_converted
-from tests.engine.whisper_staged import Transcript, WhisperStages, load_reference, reference_tokens
-from tests.speech_corpus import UTTERANCES, utterance
-from tests.speech_wer import corpus_wer
+from tests.support.speech_corpus import UTTERANCES, utterance
+from tests.support.speech_wer import corpus_wer
+from tests.support.whisper_staged import Transcript, WhisperStages, load_reference, reference_tokens
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,7 +108,7 @@ def test_short_utterances_have_no_timestamps(split: dict[str, Any], reference: A
 def test_prefill_logits_equal_the_models(split: dict[str, Any], clips: dict[str, bytes], reference: Any) -> None:
     """The first window's prefill logits (before any processor) against the full model's forward
     over the same decoder prompt and the processor's features."""
-    from tests.engine.hf_reference import reference_audio
+    from tests.support.hf_reference import reference_audio
 
     model, processor = reference
     audio = reference_audio(clips["medium"], "wav", 16000)

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from libs.engine.checkpoints.generate import ensure_converted
-from tests.engine.whisper_staged import WhisperStages, load_reference, reference_tokens
-from tests.speech_corpus import HARVARD, UTTERANCES, utterance
-from tests.speech_wer import corpus_wer
+from tests.support.speech_corpus import HARVARD, UTTERANCES, utterance
+from tests.support.speech_wer import corpus_wer
+from tests.support.whisper_staged import WhisperStages, load_reference, reference_tokens
 
 
 def _times(t0: float, c0: float, t1: float, c1: float, t2: float, c2: float, side: str) -> str:
@@ -60,7 +60,7 @@ def _services(path: Path, run_dir: Path) -> Split:
     from libs.client.transcribe import audio_item, transcription_request
     from libs.launch.stack import Stack, StackSpec
     from libs.telemetry.spans import load_jsonl
-    from tests.services.conftest import run_requests
+    from tests.support.stacks import run_requests
 
     def run(clips: dict[str, bytes]) -> dict[str, tuple[list[int], int | None]]:
         spans = run_dir / f"spans-{len(list(run_dir.glob('spans-*')))}.jsonl"

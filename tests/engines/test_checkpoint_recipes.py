@@ -12,6 +12,8 @@ import pytest
 from libs.engine.checkpoints import FAMILIES, ensure_checkpoint
 from libs.engine.checkpoints import generate as gen
 
+pytestmark = pytest.mark.integration
+
 
 def _text_config(path: Path) -> dict[str, object]:
     config = json.loads((path / "config.json").read_text())

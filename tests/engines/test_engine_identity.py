@@ -10,6 +10,8 @@ from libs.contract.errors import FailedPrecondition
 from libs.engines.identity import capability, engine_capabilities, engine_of
 from services.router.handshake import check_engine_pair
 
+pytestmark = pytest.mark.unit
+
 
 def _info(*capabilities: str) -> service_info_pb2.ServiceInfo:
     return service_info_pb2.ServiceInfo(capabilities=list(capabilities))

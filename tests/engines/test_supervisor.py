@@ -10,6 +10,8 @@ import pytest
 from libs.contract.errors import Unavailable
 from libs.engines.vllm.supervisor import EngineSupervisor
 
+pytestmark = pytest.mark.unit
+
 
 class FakeEngine:
     def __init__(self) -> None:

@@ -13,6 +13,8 @@ import pytest
 
 from libs import torchvision_guard
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

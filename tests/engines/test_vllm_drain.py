@@ -33,7 +33,7 @@ from libs.launch.k8s import LANE_LABEL, OCCUPANCY_METRIC
 from libs.launch.process import ServiceProcess, free_port
 from libs.launch.stack import Stack, StackSpec
 from libs.rpc.server import open_channel
-from tests.engines.vllm_stack import (
+from tests.support.vllm_stack import (
     TokenStream,
     call,
     call_prefill,
@@ -49,7 +49,7 @@ from tests.engines.vllm_stack import (
     until_draining,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
 # Through the router when prefill gets its signal, started in this order, each once the one before
 # streams (started together, the text stream once finished before the audio stream had its first

@@ -37,7 +37,7 @@ from libs.contract.epd.v1 import (
 from libs.engine.media import synthetic
 from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
-from tests.engines.vllm_stack import (
+from tests.support.vllm_stack import (
     TokenStream,
     call,
     cancel_after_chunks,
@@ -53,7 +53,7 @@ from tests.engines.vllm_stack import (
     until_draining,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
 
 

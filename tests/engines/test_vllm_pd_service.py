@@ -26,7 +26,7 @@ from libs.launch.k8s import LANE_LABEL, OCCUPANCY_METRIC
 from libs.launch.process import ServiceProcess, free_port
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.server import open_channel
-from tests.engines.vllm_stack import (
+from tests.support.vllm_stack import (
     TokenStream,
     probe_until_refused,
     sample_values,
@@ -36,7 +36,7 @@ from tests.engines.vllm_stack import (
     until_draining,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ADMITTED = 6  # the filler and the requests queued behind it, all inside vLLM
 # Sent together behind the filler: distinct priorities, so the order is vLLM's by priority alone
 # (the filler, at most ~4000 tokens, can end within a second on a fast host: no time to queue them

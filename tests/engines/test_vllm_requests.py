@@ -14,6 +14,8 @@ from libs.contract.errors import InvalidArgument
 from libs.engine import types as eng
 from libs.engines.vllm.requests import ItemDescriptor, RequestPlanner
 
+pytestmark = pytest.mark.integration
+
 SAMPLING = eng.SamplingParams(temperature=0.0, max_tokens=8)
 
 

@@ -37,7 +37,8 @@ from libs.engine.media import synthetic
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
-from tests.engines.vllm_stack import (
+from tests.support.release_tree import release_checkout
+from tests.support.vllm_stack import (
     call,
     call_prefill,
     cancel_after_chunks,
@@ -51,9 +52,8 @@ from tests.engines.vllm_stack import (
     run,
     stats,
 )
-from tests.release_tree import release_checkout
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
 RELEASE_1_2 = "Contract 1.2 and the router's cache short-circuit"
 

@@ -25,7 +25,7 @@ _EXEC = re.compile(r"stat::average_exec_per_sec:\s+(\d+)")
 
 def run_all(seconds: int) -> int:
     """Fuzz every target in its own process (libFuzzer owns the process); print what each did."""
-    from tests.fuzz.targets import TARGETS
+    from tests.support.fuzz_targets import TARGETS
 
     rows, failed = [], []
     for name in TARGETS:
@@ -67,7 +67,7 @@ def main() -> None:
     # Instrument the project's code (not the libraries') as it loads: the targets import what they
     # exercise lazily, so run every seed once inside the instrumented import context.
     with atheris.instrument_imports(include=["libs", "tests.fuzz"]):
-        from tests.fuzz.targets import TARGETS, call, target
+        from tests.support.fuzz_targets import TARGETS, call, target
 
         if ns.target not in TARGETS:
             parser.error(f"unknown target {ns.target!r}; one of {', '.join(TARGETS)}")

@@ -1,6 +1,6 @@
 """Every saved fuzz input, replayed: the seeds of each target and each input a fuzzing run found
 (`tests/fuzz/regressions/<target>/`, one file per find, fixed since). Each may only raise its
-target's typed errors (tests/fuzz/targets.py); a regression here is a crash that came back."""
+target's typed errors (tests/support/fuzz_targets.py); a regression here is a crash that came back."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.fuzz.targets import TARGETS, call, target
+from tests.support.fuzz_targets import TARGETS, call, target
+
+pytestmark = pytest.mark.integration
 
 REGRESSIONS = Path(__file__).parent / "regressions"
 

@@ -25,22 +25,9 @@ from libs.launch.config import (
     role_settings,
     stack_spec,
 )
-from services.colocated.service import ColocatedSettings
-from services.decode.service import DecodeSettings
-from services.encoder.service import EncoderSettings
-from services.pd.service import PrefillDecodeSettings
-from services.prefill.service import PrefillSettings
-from services.router.service import RouterSettings
+from tests.support.service_settings import SETTINGS
 
 STACKS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "stacks").glob("*.yaml"))
-SETTINGS = {
-    "router": RouterSettings,
-    "encoder": EncoderSettings,
-    "prefill": PrefillSettings,
-    "decode": DecodeSettings,
-    "pd": PrefillDecodeSettings,
-    "colocated": ColocatedSettings,
-}
 
 
 def _fields(cls: type[Any]) -> set[str]:
@@ -64,11 +51,13 @@ def _error(doc: Any) -> str:
     return str(info.value)
 
 
+@pytest.mark.unit
 def test_every_committed_description_loads_and_covers_the_three_layouts() -> None:
     layouts = {load_description(path).layout for path in STACKS}
     assert layouts == set(LAYOUT_ROLES)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", STACKS, ids=lambda p: p.stem)
 def test_the_settings_a_description_gives_are_real_settings_of_each_role(path: Path) -> None:
     desc = load_description(path)
@@ -78,6 +67,7 @@ def test_the_settings_a_description_gives_are_real_settings_of_each_role(path: P
         assert not unknown, f"{path.name}: {role} has no setting {unknown}"
 
 
+@pytest.mark.unit
 def test_the_schema_offers_each_role_only_settings_it_has() -> None:
     schema = json.loads(SCHEMA_PATH.read_text())
     roles = schema["properties"]["roles"]["properties"]
@@ -87,6 +77,7 @@ def test_the_schema_offers_each_role_only_settings_it_has() -> None:
         assert offered <= _fields(SETTINGS[role]), f"{role}: {offered - _fields(SETTINGS[role])}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
@@ -124,6 +115,7 @@ def test_a_bad_description_names_the_file_and_the_key(change: Any, expected: str
     assert expected in message
 
 
+@pytest.mark.unit
 def test_defaults_are_filled_from_the_schema() -> None:
     desc = parse_description(_minimal(), Path("x.yaml"))
     assert desc["transport"]["pool_mib"] == 64 and desc["transport"]["checksums"] is True
@@ -138,6 +130,7 @@ def test_defaults_are_filled_from_the_schema() -> None:
     assert desc.roles["router"].replicas == 1 and desc.roles["router"].memory == "2Gi"
 
 
+@pytest.mark.unit
 def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     with pytest.raises(DescriptionError, match="cannot read"):
         load_description(tmp_path / "missing.yaml")
@@ -154,6 +147,7 @@ def _parse_flags(role: str, args: list[str]) -> Any:
     return load_settings(SETTINGS[role], argv=args, env={})
 
 
+@pytest.mark.unit
 def test_the_local_plan_passes_each_setting_as_a_flag_its_service_parses(tmp_path: Path) -> None:
     doc = _minimal(transport={"checksums": False, "lease_ttl_s": 12.5}, drain={"grace_s": 7})
     doc["roles"]["encoder"]["settings"] = {"cached_max_running": 3, "accept_inline_tensors": True}
@@ -172,6 +166,7 @@ def test_the_local_plan_passes_each_setting_as_a_flag_its_service_parses(tmp_pat
     assert plan.notes == ()
 
 
+@pytest.mark.unit
 def test_prefill_and_decode_replicas_are_pools_locally_and_in_kubernetes(tmp_path: Path) -> None:
     from libs.launch.k8s import role_documents
 
@@ -190,6 +185,7 @@ def test_prefill_and_decode_replicas_are_pools_locally_and_in_kubernetes(tmp_pat
         assert "PodDisruptionBudget" in kinds
 
 
+@pytest.mark.unit
 def test_the_local_plan_runs_one_front_end(tmp_path: Path) -> None:
     doc = _minimal()
     doc["roles"]["router"]["replicas"] = 3
@@ -197,6 +193,7 @@ def test_the_local_plan_runs_one_front_end(tmp_path: Path) -> None:
     assert plan.notes == ("roles.router.replicas is 3: one router runs on this host",)
 
 
+@pytest.mark.unit
 def test_cli_refuses_flags_that_contradict_the_file() -> None:
     from libs.cli.main import main
 
@@ -205,6 +202,7 @@ def test_cli_refuses_flags_that_contradict_the_file() -> None:
     assert str(info.value) == f"epd: --layout, --tls cannot be combined with --config: set it in {STACKS[0]}"
 
 
+@pytest.mark.unit
 def test_cli_reports_a_bad_file_by_key(tmp_path: Path) -> None:
     from libs.cli.main import main
 
@@ -217,6 +215,7 @@ def test_cli_reports_a_bad_file_by_key(tmp_path: Path) -> None:
     assert str(info.value).startswith(f"epd: {path}: roles.encoder.replicas: -1 is less than the minimum of 1")
 
 
+@pytest.mark.unit
 def test_a_description_is_immutable() -> None:
     desc = parse_description(_minimal(), Path("x.yaml"))
     assert isinstance(desc, StackDescription)
@@ -224,6 +223,7 @@ def test_a_description_is_immutable() -> None:
         desc.roles = {}  # type: ignore[misc]
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_epd_up_runs_a_description(tmp_path: Path) -> None:

@@ -11,9 +11,13 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from libs.cli.deploy import K8S, STACKS
 from libs.launch.config import load_description
 from libs.launch.k8s import documents
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTAINERFILE = ROOT / "deploy" / "Containerfile"

@@ -25,7 +25,7 @@ from libs.launch.k8s import (
     overlay_files,
     render,
 )
-from tests.launch.test_config import SETTINGS
+from tests.support.service_settings import SETTINGS
 
 KUBERNETES_VERSION = "1.33.0"
 DESCRIPTIONS = sorted(STACKS.glob("*.yaml"))
@@ -45,12 +45,14 @@ def _validate(doc: dict[str, Any]) -> None:
     kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
 
+@pytest.mark.unit
 def test_committed_manifests_are_what_the_descriptions_render() -> None:
     files = rendered(DESCRIPTIONS, K8S)
     assert drift(files, K8S) == [], "deploy/k8s is stale: run `epd deploy render`"
     assert len(files) == len(list(K8S.rglob("*.yaml")))
 
 
+@pytest.mark.unit
 def test_drift_is_detected(tmp_path: Path) -> None:
     files = rendered(DESCRIPTIONS, tmp_path)
     for path, text in files.items():
@@ -65,6 +67,7 @@ def test_drift_is_detected(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.unit
 def test_every_committed_manifest_is_valid_kubernetes() -> None:
     kinds: dict[str, int] = {}
     for docs in _committed().values():
@@ -76,6 +79,7 @@ def test_every_committed_manifest_is_valid_kubernetes() -> None:
     assert kinds["NetworkPolicy"] == 1 and kinds["ServiceAccount"] == 1
 
 
+@pytest.mark.unit
 def test_variants_render_valid_kubernetes() -> None:
     """TLS (cert-manager CSI volumes, token secret), a model volume and a LoadBalancer router."""
     base = load_description(STACKS / "e-p-d.yaml").raw
@@ -101,6 +105,7 @@ def test_variants_render_valid_kubernetes() -> None:
     assert config["EPD_AUTH_TOKENS_FILE"] == "/etc/epd/tokens/tokens" and config["EPD_TLS_CA"] == "/etc/epd/tls/ca.crt"
 
 
+@pytest.mark.unit
 def test_an_invalid_manifest_is_refused() -> None:
     """The validator is not a no-op: a Deployment with a string replica count fails."""
     deployment = _by_kind(next(iter(v for k, v in _committed().items() if k.name == "encoder.yaml")), "Deployment")
@@ -118,6 +123,7 @@ def _settings(role: str, config: dict[str, str]) -> Any:
     return load_settings(cls, argv=[], env={**config, "EPD_HOST": "10.1.2.3"})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("description", DESCRIPTIONS, ids=lambda p: p.stem)
 def test_manifests_agree_with_the_services_settings(description: Path) -> None:
     desc = load_description(description)
@@ -173,6 +179,7 @@ def test_manifests_agree_with_the_services_settings(description: Path) -> None:
         assert {"epd-store-master", "epd-store-holder"} <= set(deployments)
 
 
+@pytest.mark.unit
 def test_the_encoder_autoscaler_reads_the_occupancy_gauge() -> None:
     docs = list(documents((K8S / "overlays" / "e-p-d" / "encoder.yaml").read_text()))
     (hpa,) = _by_kind(docs, "HorizontalPodAutoscaler").values()
@@ -198,6 +205,7 @@ def _kustomize_build(overlay: Path) -> list[tuple[str, str]]:
     return found
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("description", DESCRIPTIONS, ids=lambda p: p.stem)
 def test_each_overlay_builds_with_the_base(description: Path) -> None:
     overlay = K8S / "overlays" / load_description(description).name
@@ -213,6 +221,7 @@ def test_each_overlay_builds_with_the_base(description: Path) -> None:
     assert all(d["metadata"].get("namespace") == namespace for d in built)
 
 
+@pytest.mark.unit
 def test_render_writes_one_overlay_per_description(tmp_path: Path) -> None:
     descs = [load_description(p) for p in DESCRIPTIONS]
     files = render(descs, tmp_path)

@@ -14,10 +14,12 @@ from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack, StackSpec
 from libs.launch.supervisor import Supervisor
 
+pytestmark = pytest.mark.integration
+
 
 def _stack(tmp_path: Path, life_s: float) -> tuple[Stack, ServiceProcess]:
     stack = Stack(StackSpec(run_dir=tmp_path, fixed_ports=True))
-    process = ServiceProcess("worker", "tests.launch.crasher", [str(life_s)], log_path=tmp_path / "worker.log")
+    process = ServiceProcess("worker", "tests.support.crasher", [str(life_s)], log_path=tmp_path / "worker.log")
     stack.processes["worker"] = process
     process.start()
     process.wait_ready(30)

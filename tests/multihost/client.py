@@ -10,8 +10,8 @@ import json
 import sys
 
 from libs.client.generate import generate, open_channel
-from tests.engine.mixes import mixes
-from tests.services.golden import ALL_MODALITIES, request_for
+from tests.support.golden import ALL_MODALITIES, request_for
+from tests.support.mixes import mixes
 
 
 async def main(address: str, names: list[str]) -> dict[str, list[int]]:

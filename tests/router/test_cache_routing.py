@@ -12,15 +12,17 @@ from libs.cache.keys import wire_content_hash
 from libs.contract.epd.v1 import encoder_pb2, media_pb2, service_info_pb2
 from services.router.cache_lookup import CacheLookup, item_hash
 from services.router.encoders import EncoderPool
-from tests.cache.helpers import FakeStore
-from tests.router.test_core import Harness, _image, _request
+from tests.support.cache import FakeStore
+from tests.support.router_harness import Harness, distinct_image, image_request
+
+pytestmark = pytest.mark.unit
 
 PREFIX = "epd/enc/v1/" + "5e" * 16
 CACHE_INFO = service_info_pb2.EncoderCacheInfo(key_prefix=PREFIX, shared_store=True)
 
 
 def _key(seed: int) -> str:
-    item = _image(seed)
+    item = distinct_image(seed)
     return wire_content_hash(item, item.data)
 
 
@@ -74,7 +76,7 @@ def test_affinity_is_bounded() -> None:
 
 
 def test_item_hash_is_the_encoders_key_and_skips_what_the_router_cannot_read() -> None:
-    item = _image(3)
+    item = distinct_image(3)
     assert asyncio.run(item_hash(item, 1 << 20)) == wire_content_hash(item, item.data)
     by_uri = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, uri="file:///srv/cat.png")
     assert asyncio.run(item_hash(by_uri, 1 << 20)) is None
@@ -93,7 +95,7 @@ def test_a_store_hit_goes_as_cached_only_and_no_encoder_computes() -> None:
     h = _harness(store)
     for encoder in h.encoders.values():
         encoder.cached.add(_key(0))
-    assert asyncio.run(h.tokens(_request(2))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(2))) == [7, 8, 9]
     assert sorted(_policies(h)) == ["CACHED_ONLY", "UNSPECIFIED"]  # item 0 cached, item 1 new
     assert ("exists", f"{PREFIX}/{_key(1)}") in store.calls
     assert h.leases.released == {}
@@ -103,7 +105,7 @@ def test_an_entry_gone_before_its_load_is_computed_by_the_same_encoder() -> None
     store = FakeStore()
     store.data[f"{PREFIX}/{_key(0)}"] = b"entry"  # the store says yes, the encoder finds nothing
     h = _harness(store)
-    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]
     assert _policies(h) == ["CACHED_ONLY", "UNSPECIFIED"]
     assert len({a for a, _ in h.log}) == 1 and h.leases.released == {}
 
@@ -117,7 +119,7 @@ def test_no_lookup_for_encoders_that_cannot_load_from_the_store(info: service_in
     store = FakeStore()
     store.data[f"{PREFIX}/{_key(0)}"] = b"entry"
     h = _harness(store, info)
-    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]
     assert _policies(h) == ["UNSPECIFIED"] and store.calls == []
 
 
@@ -125,7 +127,7 @@ def test_a_store_that_is_down_is_a_miss() -> None:
     store = FakeStore()
     store.down = True
     h = _harness(store)
-    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]
     assert _policies(h) == ["UNSPECIFIED"]
 
 
@@ -133,10 +135,10 @@ def test_concurrent_requests_for_one_item_meet_on_one_encoder() -> None:
     h = Harness(n_encoders=4)
 
     async def run() -> list[list[int]]:
-        return list(await asyncio.gather(*(h.tokens(_request(1, same=True)) for _ in range(12))))
+        return list(await asyncio.gather(*(h.tokens(image_request(1, same=True)) for _ in range(12))))
 
     assert asyncio.run(run()) == [[7, 8, 9]] * 12
     assert len({a for a, _ in h.log}) == 1  # so that encoder's single-flight computes it once
     h.log.clear()
-    assert asyncio.run(h.tokens(_request(4))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(4))) == [7, 8, 9]
     assert len({a for a, _ in h.log}) == 4  # distinct items still spread

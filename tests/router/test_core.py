@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import grpc
@@ -16,192 +16,26 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from libs.cache.keys import wire_content_hash
 from libs.contract.epd.v1 import (
-    chat_pb2,
-    decode_pb2,
     encoder_pb2,
-    generate_pb2,
     generation_pb2,
     layout_pb2,
-    lease_pb2,
     prefill_decode_pb2,
-    prefill_pb2,
 )
 from libs.contract.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.router.core import Backends, Router, RpcFailed
 from services.router.encoders import EncoderPool
 from services.router.pool import MemberPool
-from tests.contract import samples
+from tests.support.router_harness import Encoder, Harness, Leases, StreamCall, image_request, rpc_error
+
+pytestmark = pytest.mark.unit
 
 T = TypeVar("T")
 
 
-def _error(code: grpc.StatusCode, details: str = "boom") -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
-
-
-class Encoder:
-    def __init__(self, address: str, log: list[tuple[str, int]], fail: grpc.StatusCode | None = None) -> None:
-        self.address, self.log, self.fail = address, log, fail
-        self.leases = 0
-        self.requests: list[encoder_pb2.EncodeRequest] = []
-        self.cached: set[str] = set()  # mm_hashes a CACHED_ONLY job finds; others answer NOT_FOUND
-
-    async def Encode(self, request: encoder_pb2.EncodeRequest, timeout: float | None = None) -> Any:
-        (item,) = request.items
-        self.log.append((self.address, item.item_index))
-        self.requests.append(encoder_pb2.EncodeRequest.FromString(request.SerializeToString()))  # as sent
-        await asyncio.sleep(0.01)
-        if (
-            request.cache_policy == encoder_pb2.CACHE_POLICY_CACHED_ONLY
-            and wire_content_hash(item.media, item.media.data) not in self.cached
-        ):
-            raise _error(grpc.StatusCode.NOT_FOUND, "items[0]: not in the encoder cache or the shared store")
-        if self.fail is not None:
-            raise _error(
-                self.fail, "items[0].media.data: not an image" if self.fail.name == "INVALID_ARGUMENT" else "x"
-            )
-        self.leases += 1
-        encoded = samples.encoded_image(item.item_index)
-        encoded.embeddings.lease_id = f"{self.address}/{self.leases}"
-        encoded.embeddings.agent.producer_address = self.address
-        return encoder_pb2.EncodeResponse(items=[encoded])
-
-
-class Leases:
-    def __init__(self) -> None:
-        self.released: dict[str, set[str]] = {}
-
-    def stub(self, address: str) -> Any:
-        released = self.released
-
-        class Stub:
-            async def ReleaseLeases(self, request: lease_pb2.ReleaseLeasesRequest, timeout: float | None = None) -> Any:
-                assert request.reason == lease_pb2.RELEASE_REASON_ABANDONED
-                released.setdefault(address, set()).update(request.lease_ids)
-                return lease_pb2.ReleaseLeasesResponse(released_count=len(request.lease_ids))
-
-        return Stub()
-
-
-class Prefill:
-    def __init__(self, fail_first: grpc.StatusCode | None = None, first_tokens: Sequence[int] = (7,)) -> None:
-        self.requests: list[prefill_pb2.PrefillRequest] = []
-        self.fail_first = fail_first
-        self.first_tokens = first_tokens  # the first token of each call, the last one repeated
-
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, timeout: float | None = None, **_: Any) -> Any:
-        self.requests.append(request)
-        if self.fail_first is not None and len(self.requests) == 1:
-            raise _error(self.fail_first, "embedding lease-0 not found")
-        kv = samples.kv_cache(tokens=10)
-        kv.handle.lease_id = f"kv-lease-{len(self.requests)}"
-        token = self.first_tokens[min(len(self.requests), len(self.first_tokens)) - 1]
-        return prefill_pb2.PrefillResponse(
-            first_chunk=generation_pb2.TokenChunk(token_ids=[token], text="a"),
-            kv_cache=kv,
-            decode_state=prefill_pb2.DecodeState(next_input_token_id=token, generated_tokens=1, prompt_tokens=10),
-        )
-
-
-class StreamCall:
-    """What a grpc.aio unary-stream call gives the router: its responses, and `cancel()`, which (as
-    in grpc) does nothing once the stream has ended."""
-
-    def __init__(self, responses: AsyncIterator[Any]) -> None:
-        self._responses = responses
-        self.ended = False
-        self.cancelled = False
-
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        try:
-            async for response in self._responses:
-                yield response
-        finally:
-            self.ended = not self.cancelled
-
-    def cancel(self) -> bool:
-        if self.ended:
-            return False
-        self.cancelled = True
-        return True
-
-
-class Decode:
-    def __init__(self, fail_before: bool = False, fail_first: Sequence[grpc.StatusCode] = ()) -> None:
-        self.fail_before = fail_before
-        self.fail_first = list(fail_first)  # the first calls fail with these, before streaming
-        self.requests: list[decode_pb2.DecodeRequest] = []
-        self.calls: list[StreamCall] = []
-
-    def Decode(self, request: decode_pb2.DecodeRequest, timeout: float | None = None, **_: Any) -> StreamCall:
-        self.requests.append(request)
-
-        fail = self.fail_first.pop(0) if self.fail_first else None
-
-        async def stream() -> AsyncIterator[Any]:
-            if self.fail_before:
-                raise _error(grpc.StatusCode.UNAVAILABLE, "decode lost its KV")
-            if fail is not None:
-                raise _error(fail, f"lease {request.kv_cache.handle.lease_id} expired 10.6 s ago")
-            for token in (8, 9):
-                yield decode_pb2.DecodeResponse(chunk=generation_pb2.TokenChunk(token_ids=[token]))
-            yield decode_pb2.DecodeResponse(
-                chunk=generation_pb2.TokenChunk(finish_reason=generation_pb2.FINISH_REASON_LENGTH),
-                usage=generation_pb2.Usage(prompt_tokens=10, completion_tokens=3),
-            )
-
-        self.calls.append(StreamCall(stream()))
-        return self.calls[-1]
-
-
-class Harness:
-    def __init__(self, n_encoders: int = 2, fail: dict[str, grpc.StatusCode] | None = None, **kw: Any) -> None:
-        self.log: list[tuple[str, int]] = []
-        self.encoders = {
-            f"enc{i}": Encoder(f"enc{i}", self.log, (fail or {}).get(f"enc{i}")) for i in range(n_encoders)
-        }
-        self.leases = Leases()
-        self.prefill = Prefill(kw.get("prefill_fail_first"), kw.get("prefill_first_tokens", (7,)))
-        self.decode = Decode(kw.get("decode_fail_before", False), kw.get("decode_fail_first", ()))
-        backends = Backends(
-            encoder=self.encoders.__getitem__,
-            lease=self.leases.stub,
-            prefill=lambda address: self.prefill,
-            decode=lambda address: self.decode,
-        )
-        if "encoder_cache" in kw:
-            backends.encoder_cache = kw["encoder_cache"]
-        self.pool = EncoderPool(list(self.encoders), slack=kw.get("slack", 0))
-        self.router = Router(backends, self.pool, cache=kw.get("cache"))
-
-    async def tokens(self, request: generate_pb2.GenerateRequest) -> list[int]:
-        out: list[int] = []
-        async for response in self.router.generate(request):
-            out.extend(response.chunk.token_ids)
-        return out
-
-
-def _image(seed: int) -> Any:
-    media = samples.media()
-    media.data += seed.to_bytes(4, "big")  # distinct content: distinct cache keys
-    return media
-
-
-def _request(images: int, text: str = "Describe.", same: bool = False) -> generate_pb2.GenerateRequest:
-    parts = [chat_pb2.ContentPart(media=_image(0 if same else i)) for i in range(images)]
-    parts.append(chat_pb2.ContentPart(text=text))
-    return generate_pb2.GenerateRequest(
-        request_id="r1",
-        messages=[chat_pb2.ChatMessage(role=chat_pb2.CHAT_ROLE_USER, parts=parts)],
-        sampling=samples.sampling(),
-    )
-
-
 def test_text_only_skips_encoders() -> None:
     h = Harness()
-    assert asyncio.run(h.tokens(_request(0))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(0))) == [7, 8, 9]
     assert h.log == []
     assert h.prefill.requests[0].messages[0].parts[0].text == "Describe."
     assert h.leases.released == {}
@@ -209,7 +43,7 @@ def test_text_only_skips_encoders() -> None:
 
 def test_media_become_encoded_references_spread_over_encoders() -> None:
     h = Harness()
-    request = _request(3)
+    request = image_request(3)
     assert asyncio.run(h.tokens(request)) == [7, 8, 9]
     assert sorted(i for _, i in h.log) == [0, 1, 2]
     assert {a for a, _ in h.log} == {"enc0", "enc1"}  # least outstanding work spreads the jobs
@@ -225,21 +59,21 @@ def test_media_become_encoded_references_spread_over_encoders() -> None:
 
 def test_encoder_unavailable_is_retried_on_another() -> None:
     h = Harness(fail={"enc0": grpc.StatusCode.UNAVAILABLE})
-    assert asyncio.run(h.tokens(_request(2))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(2))) == [7, 8, 9]
     assert [a for a, _ in h.log].count("enc1") == 2
 
 
 def test_every_encoder_down_fails_unavailable_and_releases() -> None:
     h = Harness(fail={"enc0": grpc.StatusCode.UNAVAILABLE, "enc1": grpc.StatusCode.UNAVAILABLE})
     with pytest.raises(RpcFailed) as caught:
-        asyncio.run(h.tokens(_request(1)))
+        asyncio.run(h.tokens(image_request(1)))
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE and caught.value.stage == "encode"
     assert h.prefill.requests == []
 
 
 def test_bad_media_is_invalid_argument_and_other_leases_are_released() -> None:
     h = Harness(n_encoders=1)
-    request = _request(2)
+    request = image_request(2)
     h.encoders["enc0"].fail = None
 
     async def run() -> None:
@@ -247,7 +81,7 @@ def test_bad_media_is_invalid_argument_and_other_leases_are_released() -> None:
 
         async def encode(req: encoder_pb2.EncodeRequest, timeout: float | None = None) -> Any:
             if req.items[0].item_index == 1:
-                raise _error(grpc.StatusCode.INVALID_ARGUMENT, "items[0].media.data: corrupt image")
+                raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "items[0].media.data: corrupt image")
             return await original(req, timeout=timeout)
 
         h.encoders["enc0"].Encode = encode  # type: ignore[method-assign]
@@ -262,7 +96,7 @@ def test_bad_media_is_invalid_argument_and_other_leases_are_released() -> None:
 
 def test_embedding_gone_at_prefill_reencodes_once() -> None:
     h = Harness(prefill_fail_first=grpc.StatusCode.NOT_FOUND)
-    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]
     assert len(h.log) == 2 and len(h.prefill.requests) == 2
     first_lease = h.prefill.requests[0].messages[0].parts[0].encoded.embeddings.lease_id
     assert first_lease in set().union(*h.leases.released.values())
@@ -274,7 +108,7 @@ def test_decode_failure_releases_the_kv_lease() -> None:
     async def run() -> list[int]:
         out: list[int] = []
         with pytest.raises(RpcFailed) as caught:
-            async for response in h.router.generate(_request(1)):
+            async for response in h.router.generate(image_request(1)):
                 out.extend(response.chunk.token_ids)
         assert caught.value.code == grpc.StatusCode.UNAVAILABLE and caught.value.stage == "decode"
         return out
@@ -287,7 +121,7 @@ def test_decode_failure_releases_the_kv_lease() -> None:
 def test_kv_gone_before_decode_read_it_is_recomputed_once(code: grpc.StatusCode) -> None:
     # E.g. the KV lease expired while the router waited for a restarting decode.
     h = Harness(decode_fail_first=[code])
-    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]  # the first token is not repeated
+    assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]  # the first token is not repeated
     assert len(h.log) == 2 and len(h.prefill.requests) == 2 and len(h.decode.requests) == 2
     assert [r.kv_cache.handle.lease_id for r in h.decode.requests] == ["kv-lease-1", "kv-lease-2"]
     # The lost KV's lease is released (prefill acked the embeddings it read); decode acked the new KV.
@@ -300,7 +134,7 @@ def test_kv_gone_twice_fails_with_decodes_status() -> None:
     async def run() -> list[int]:
         out: list[int] = []
         with pytest.raises(RpcFailed) as caught:
-            async for response in h.router.generate(_request(1)):
+            async for response in h.router.generate(image_request(1)):
                 out.extend(response.chunk.token_ids)
         assert caught.value.code == grpc.StatusCode.NOT_FOUND and "kv-lease-2 expired" in str(caught.value)
         return out
@@ -316,7 +150,7 @@ def test_kv_recomputed_with_another_first_token_is_data_loss() -> None:
     async def run() -> list[int]:
         out: list[int] = []
         with pytest.raises(RpcFailed) as caught:
-            async for response in h.router.generate(_request(1)):
+            async for response in h.router.generate(image_request(1)):
                 out.extend(response.chunk.token_ids)
         assert caught.value.code == grpc.StatusCode.DATA_LOSS and "first token differs" in str(caught.value)
         return out
@@ -329,7 +163,7 @@ def test_kv_recomputed_with_another_first_token_is_data_loss() -> None:
 def test_other_decode_failures_are_not_recomputed() -> None:
     h = Harness(decode_fail_first=[grpc.StatusCode.INTERNAL])
     with pytest.raises(RpcFailed):
-        asyncio.run(h.tokens(_request(1)))
+        asyncio.run(h.tokens(image_request(1)))
     assert len(h.prefill.requests) == 1
 
 
@@ -337,7 +171,7 @@ def test_client_cancel_releases_what_the_request_holds() -> None:
     h = Harness()
 
     async def run() -> None:
-        stream = h.router.generate(_request(1))
+        stream = h.router.generate(image_request(1))
         first = await stream.__anext__()
         assert list(first.chunk.token_ids) == [7]
         await stream.aclose()  # the client went away after the first token
@@ -350,7 +184,7 @@ def test_client_gone_mid_decode_cancels_the_decode_call() -> None:
     h = Harness()
 
     async def run() -> None:
-        stream = h.router.generate(_request(1))
+        stream = h.router.generate(image_request(1))
         assert [t for t in (await stream.__anext__()).chunk.token_ids] == [7]  # prefill's
         assert [t for t in (await stream.__anext__()).chunk.token_ids] == [8]  # decode's first
         await stream.aclose()  # the client went away mid-decode
@@ -360,7 +194,7 @@ def test_client_gone_mid_decode_cancels_the_decode_call() -> None:
     assert call.cancelled  # decode stops generating, instead of running on to max_tokens
 
     finished = Harness()
-    assert asyncio.run(finished.tokens(_request(1))) == [7, 8, 9]
+    assert asyncio.run(finished.tokens(image_request(1))) == [7, 8, 9]
     assert not finished.decode.calls[0].cancelled  # a stream read to its end is left alone
 
 
@@ -381,7 +215,7 @@ def _traced(run: Callable[[], Awaitable[T]]) -> tuple[T, Mapping[str, Any]]:
 
 def test_e_p_d_root_span_gets_the_time_to_first_token() -> None:
     h = Harness()
-    tokens, root = _traced(lambda: h.tokens(_request(1)))
+    tokens, root = _traced(lambda: h.tokens(image_request(1)))
     assert tokens == [7, 8, 9] and root["epd.ttft_s"] > 0
 
 
@@ -408,7 +242,7 @@ def test_e_plus_pd_layout() -> None:
     )
 
     async def run() -> list[int]:
-        return [t async for r in router.generate(_request(1)) for t in r.chunk.token_ids]
+        return [t async for r in router.generate(image_request(1)) for t in r.chunk.token_ids]
 
     tokens, root = _traced(run)
     assert tokens == [5, 6]
@@ -418,7 +252,7 @@ def test_e_plus_pd_layout() -> None:
     assert not calls[0].cancelled
 
     async def leave_after_one() -> None:
-        stream = router.generate(_request(1))
+        stream = router.generate(image_request(1))
         await stream.__anext__()
         await stream.aclose()  # the client went away mid-stream
 
@@ -428,7 +262,7 @@ def test_e_plus_pd_layout() -> None:
 
 def test_invalid_client_request_is_rejected_before_any_work() -> None:
     h = Harness()
-    request = _request(1)
+    request = image_request(1)
     request.sampling.top_p = 2.0
     with pytest.raises(InvalidArgument, match=r"sampling\.top_p"):
         asyncio.run(h.tokens(request))
@@ -445,7 +279,7 @@ def test_incompatible_encoder_is_skipped_at_first_contact() -> None:
             raise FailedPrecondition("peer enc0 serves other-model; this service serves tiny")
 
     h.router._backends.check_encoder = check
-    assert asyncio.run(h.tokens(_request(2))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(2))) == [7, 8, 9]
     assert {a for a, _ in h.log} == {"enc1"}  # enc0 never computed anything
     assert ("enc0", None) in checked
 
@@ -454,7 +288,7 @@ def test_incompatible_encoder_is_skipped_at_first_contact() -> None:
 
     h.router._backends.check_encoder = refuse
     with pytest.raises(FailedPrecondition, match="incompatible"):
-        asyncio.run(h.tokens(_request(1)))
+        asyncio.run(h.tokens(image_request(1)))
 
 
 def test_encoder_gone_right_after_answering_is_an_encode_failure_retried_elsewhere() -> None:
@@ -469,7 +303,7 @@ def test_encoder_gone_right_after_answering_is_an_encode_failure_retried_elsewhe
             raise Unavailable(f"peer {address} unreachable: UNAVAILABLE connection refused")
 
     h.router._backends.check_encoder = check
-    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]
     (dead,) = gone
     (other,) = set(h.encoders) - {dead}
     assert h.log == [(dead, 0), (other, 0)]
@@ -492,11 +326,11 @@ def test_encoder_dropped_from_membership_during_its_failing_call_is_retried_on_o
             if not gone:  # the first encoder called has exited and leaves the members meanwhile
                 gone.append(address)
                 h.pool.update([a for a in h.encoders if a != address])
-                raise _error(grpc.StatusCode.UNAVAILABLE, f"failed to connect to {address}: Connection refused")
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"failed to connect to {address}: Connection refused")
             return await real(request, timeout)
 
         encoder.Encode = leaving  # type: ignore[method-assign]
-    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]
     (dead,) = gone
     (other,) = set(h.encoders) - {dead}
     assert h.log == [(other, 0)] and h.pool.size == 1
@@ -520,7 +354,7 @@ def test_singleton_stage_going_away_for_a_restart_is_waited_out(how: str) -> Non
     async def refusing_prefill(request: Any, timeout: float | None = None, **kw: Any) -> Any:
         calls["prefill"] += 1
         if calls["prefill"] <= 2:
-            raise _error(code, details)
+            raise rpc_error(code, details)
         return await prefill(request, timeout=timeout)
 
     def refusing_decode(request: Any, timeout: float | None = None, **kw: Any) -> StreamCall:
@@ -528,7 +362,7 @@ def test_singleton_stage_going_away_for_a_restart_is_waited_out(how: str) -> Non
         if calls["decode"] <= 2:
 
             async def refuse() -> AsyncIterator[Any]:
-                raise _error(code, details)
+                raise rpc_error(code, details)
                 yield  # pragma: no cover
 
             return StreamCall(refuse())
@@ -536,7 +370,7 @@ def test_singleton_stage_going_away_for_a_restart_is_waited_out(how: str) -> Non
 
     h.prefill.Prefill = refusing_prefill  # type: ignore[method-assign]
     h.decode.Decode = refusing_decode  # type: ignore[method-assign]
-    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]
     assert calls == {"prefill": 3, "decode": 3}
     assert len(h.log) == 1  # waited out, not re-encoded
     assert h.leases.released == {}  # nothing was abandoned on the way
@@ -553,11 +387,11 @@ def test_every_encoder_going_away_is_waited_out(how: str) -> None:
         async def encode(req: Any, timeout: float | None = None, _o: Any = original, _a: str = encoder.address) -> Any:
             if len(refusals) < 4:  # both encoders, twice each
                 refusals.append(_a)
-                raise _error(code, details)
+                raise rpc_error(code, details)
             return await _o(req, timeout=timeout)
 
         encoder.Encode = encode  # type: ignore[method-assign]
-    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]
     assert sorted(refusals) == ["enc0", "enc0", "enc1", "enc1"]
     assert len(h.log) == 1
 
@@ -566,12 +400,12 @@ def test_a_stage_that_keeps_refusing_fails_at_the_deadline() -> None:
     h = Harness()
 
     async def refusing_prefill(request: Any, timeout: float | None = None, **kw: Any) -> Any:
-        raise _error(grpc.StatusCode.CANCELLED, "CANCELLED")
+        raise rpc_error(grpc.StatusCode.CANCELLED, "CANCELLED")
 
     h.prefill.Prefill = refusing_prefill  # type: ignore[method-assign]
 
     async def run() -> None:
-        async for _ in h.router.generate(_request(1), deadline=time.monotonic() + 1.5):
+        async for _ in h.router.generate(image_request(1), deadline=time.monotonic() + 1.5):
             pass
 
     with pytest.raises(RpcFailed) as failed:
@@ -582,7 +416,7 @@ def test_a_stage_that_keeps_refusing_fails_at_the_deadline() -> None:
 
 def test_other_unavailable_from_prefill_is_not_retried_as_a_drain() -> None:
     h = Harness(prefill_fail_first=grpc.StatusCode.UNAVAILABLE)  # an encoder gone: re-encode instead
-    assert asyncio.run(h.tokens(_request(1))) == [7, 8, 9]
+    assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]
     assert len(h.log) == 2 and len(h.prefill.requests) == 2
 
 
@@ -600,7 +434,7 @@ def test_priority_is_forwarded_only_to_peers_that_honor_it() -> None:
             return await _o(req, timeout=timeout)
 
         encoder.Encode = encode  # type: ignore[method-assign]
-    request = _request(2)
+    request = image_request(2)
     request.priority = 7
     assert asyncio.run(h.tokens(request)) == [7, 8, 9]
     assert sorted(seen) == [("enc0", 0), ("enc1", 7)]

@@ -13,6 +13,8 @@ import pytest
 from services.router.encoders import EncoderPool
 from services.router.membership import Membership, MembershipError, ResolveFailed, Source
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("values", "problem"),

@@ -19,8 +19,10 @@ from libs.rpc.retry import DRAINING
 from services.router.core import Backends, Router, Stages
 from services.router.encoders import EncoderPool
 from services.router.pool import MemberPool
-from tests.contract import samples
-from tests.router.test_core import Encoder, Leases, StreamCall, _error, _request
+from tests.support import samples
+from tests.support.router_harness import Encoder, Leases, StreamCall, image_request, rpc_error
+
+pytestmark = pytest.mark.unit
 
 
 def test_least_outstanding_with_round_robin_on_ties() -> None:
@@ -66,7 +68,7 @@ class Prefill:
     async def Prefill(self, request: prefill_pb2.PrefillRequest, timeout: float | None = None, **kw: Any) -> Any:
         self.requests.append(request)
         if self.refuse is not None:
-            raise _error(self.refuse, self.details)
+            raise rpc_error(self.refuse, self.details)
         await asyncio.sleep(0.02)
         kv = samples.kv_cache(tokens=10)
         kv.handle.agent.producer_address = self.address
@@ -88,7 +90,7 @@ class Decode:
 
         async def stream() -> AsyncIterator[Any]:
             if self.refuse is not None:
-                raise _error(self.refuse, DRAINING)
+                raise rpc_error(self.refuse, DRAINING)
             await asyncio.sleep(0.02)
             for token in (8, 9):
                 yield decode_pb2.DecodeResponse(chunk=generation_pb2.TokenChunk(token_ids=[token]))
@@ -113,7 +115,7 @@ class Pools:
         self.router = Router(self.backends, EncoderPool(["enc0"]), stages=self.stages)
 
     async def tokens(self, images: int = 1) -> list[int]:
-        return [t async for r in self.router.generate(_request(images)) for t in r.chunk.token_ids]
+        return [t async for r in self.router.generate(image_request(images)) for t in r.chunk.token_ids]
 
     def run(self, requests: int) -> list[list[int]]:
         async def go() -> list[list[int]]:
@@ -213,7 +215,7 @@ def test_pd_pool_spreads_and_retries_a_refusal_before_the_first_token() -> None:
 
             async def stream() -> AsyncIterator[Any]:
                 if self.refuse:
-                    raise _error(grpc.StatusCode.UNAVAILABLE, DRAINING)
+                    raise rpc_error(grpc.StatusCode.UNAVAILABLE, DRAINING)
                 await asyncio.sleep(0.02)
                 for token in (5, 6):
                     yield prefill_decode_pb2.PrefillDecodeResponse(chunk=generation_pb2.TokenChunk(token_ids=[token]))
@@ -230,7 +232,7 @@ def test_pd_pool_spreads_and_retries_a_refusal_before_the_first_token() -> None:
 
     async def go() -> list[list[int]]:
         async def one() -> list[int]:
-            return [t async for r in router.generate(_request(1)) for t in r.chunk.token_ids]
+            return [t async for r in router.generate(image_request(1)) for t in r.chunk.token_ids]
 
         return list(await asyncio.gather(*(one() for _ in range(9))))
 

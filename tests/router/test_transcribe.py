@@ -11,6 +11,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from libs.client.transcribe import audio_item, transcription_request
 from libs.contract.epd.v1 import (
     chat_pb2,
@@ -23,8 +25,10 @@ from libs.contract.epd.v1 import (
 )
 from services.router.core import Backends, Router
 from services.router.encoders import EncoderPool
-from tests.contract import samples
-from tests.router.test_core import Leases, StreamCall
+from tests.support import samples
+from tests.support.router_harness import Leases, StreamCall
+
+pytestmark = pytest.mark.unit
 
 TS = 100  # <|0.00|> in this toy vocabulary
 EOT = 99

@@ -10,6 +10,8 @@ import pytest
 from libs.contract.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from libs.rpc.admission import Admission, deadline_of
 
+pytestmark = pytest.mark.unit
+
 
 def test_bounds_running_and_waiting_then_returns_to_empty() -> None:
     async def scenario() -> None:

@@ -1,5 +1,5 @@
 """`--event-loop uvloop`: a service runs on uvloop's loop (its `serving` line names the loop), answers
-calls, and drains on SIGTERM as on asyncio's own loop. Real process: `tests/rpc/slow_generate.py`
+calls, and drains on SIGTERM as on asyncio's own loop. Real process: `tests/support/slow_generate.py`
 under the same `service_main` and `EpdServer` as every EPD service."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import pytest
 from libs.client.generate import build_request, generate, open_channel
 from libs.launch.process import ServiceProcess
 
+pytestmark = pytest.mark.integration
+
 
 def _serving_line(log: Path) -> dict[str, object]:
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
@@ -22,7 +24,7 @@ def _serving_line(log: Path) -> dict[str, object]:
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_service_runs_serves_and_drains_on_the_chosen_loop(tmp_path: Path, loop: str) -> None:
     log = tmp_path / "slow.log"
-    process = ServiceProcess("slow", "tests.rpc.slow_generate", ["--event-loop", loop, "--hold-s", "0.5"], log)
+    process = ServiceProcess("slow", "tests.support.slow_generate", ["--event-loop", loop, "--hold-s", "0.5"], log)
     process.start()
     try:
         address = process.wait_ready(60)

@@ -14,7 +14,9 @@ from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
 from libs.launch.process import free_port
 from libs.rpc.certs import LocalCa
 from libs.rpc.server import EpdServer, ServerOptions
-from tests.rpc.test_server import _info
+from tests.support import samples
+
+pytestmark = pytest.mark.unit
 
 
 def test_health_port_answers_plaintext_beside_a_tls_server() -> None:
@@ -22,7 +24,9 @@ def test_health_port_answers_plaintext_beside_a_tls_server() -> None:
 
     async def scenario() -> None:
         health_port = free_port()
-        server = EpdServer(ServerOptions(tls=ca.issue("encoder"), health_port=health_port, grace_s=2.0), _info)
+        server = EpdServer(
+            ServerOptions(tls=ca.issue("encoder"), health_port=health_port, grace_s=2.0), samples.service_info
+        )
         await server.start()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -58,7 +62,7 @@ def test_health_port_answers_plaintext_beside_a_tls_server() -> None:
 
 def test_no_health_port_by_default() -> None:
     async def scenario() -> None:
-        server = EpdServer(ServerOptions(), _info)
+        server = EpdServer(ServerOptions(), samples.service_info)
         await server.start()
         assert server._health_server is None
         await server.stop(grace_s=0.5)

@@ -15,6 +15,8 @@ from libs.launch.process import free_port
 from libs.rpc.peers import PeerDirectory, check_embedding_specs
 from libs.rpc.server import EpdServer, ServerOptions
 
+pytestmark = pytest.mark.unit
+
 MODEL = service_info_pb2.ModelIdentity(model_id="tiny-omni", revision="local", weights_digest="ab" * 32)
 ENCODER = service_info_pb2.SERVICE_ROLE_ENCODER
 

@@ -26,7 +26,9 @@ from libs.rpc import security
 from libs.rpc.certs import LocalCa, write_material
 from libs.rpc.security import TlsMaterial, load_tokens
 from libs.rpc.server import EpdServer, ServerOptions, channel_options, open_channel
-from tests.contract import samples
+from tests.support import samples
+
+pytestmark = pytest.mark.unit
 
 TOKEN = "t0ken-with-enough-entropy-0123456789"
 CA = LocalCa.create("cluster CA")

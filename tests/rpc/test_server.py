@@ -20,7 +20,9 @@ from libs.contract.epd.v1 import (
 )
 from libs.contract.validation import validate_encode_request
 from libs.rpc.server import EpdServer, ServerOptions, channel_options
-from tests.contract import samples
+from tests.support import samples
+
+pytestmark = pytest.mark.unit
 
 
 class SlowEncoder(encoder_pb2_grpc.EncoderServiceServicer):
@@ -34,15 +36,6 @@ class SlowEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         return encoder_pb2.EncodeResponse()
 
 
-def _info() -> service_info_pb2.ServiceInfo:
-    return service_info_pb2.ServiceInfo(
-        contract_version=version.current(),
-        role=service_info_pb2.SERVICE_ROLE_ENCODER,
-        instance_id="inst-1",
-        model=service_info_pb2.ModelIdentity(model_id="tiny", revision="local", weights_digest="00"),
-    )
-
-
 def _request(sleep_ms: int) -> encoder_pb2.EncodeRequest:
     request = samples.encode_request()
     request.request_id = f"sleep-{sleep_ms}"
@@ -52,7 +45,7 @@ def _request(sleep_ms: int) -> encoder_pb2.EncodeRequest:
 def test_standard_services_and_graceful_stop() -> None:
     async def scenario() -> None:
         encoder = SlowEncoder()
-        server = EpdServer(ServerOptions(grace_s=5.0), _info)
+        server = EpdServer(ServerOptions(grace_s=5.0), samples.service_info)
         server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, encoder, "epd.v1.EncoderService")
         port = await server.start()
         assert port > 0 and server.address == f"127.0.0.1:{port}"

@@ -4,9 +4,9 @@ When a draining service finally stops its gRPC server, grpc core cancels the cal
 but had not been handed to a handler, and those that crossed its shutdown notice, with a bare
 CANCELLED. Those calls say nothing about the request: the client retries them like UNAVAILABLE
 (libs/rpc/retry.py) and the replacement server answers. Real processes: the server is
-`tests/rpc/slow_generate.py` under the same `service_main` / `EpdServer` / `Admission` / `drainer`
+`tests/support/slow_generate.py` under the same `service_main` / `EpdServer` / `Admission` / `drainer`
 as every EPD service, stopped by SIGTERM and replaced on the same port. The stopped server's event
-loop is starved for a moment before its server stops (`tests/rpc/starved_stop.py`), as a loaded
+loop is starved for a moment before its server stops (`tests/support/starved_stop.py`), as a loaded
 host does now and then: the calls that arrive meanwhile are the ones grpc core cancels, on every
 trial instead of by chance.
 """
@@ -24,6 +24,8 @@ import pytest
 from libs.client.generate import GenerationResult, build_request, generate, open_channel
 from libs.launch.process import ServiceProcess, free_port
 
+pytestmark = pytest.mark.integration
+
 FIRE_EVERY_S = 0.005  # an open-loop load: a new call every 5 ms, whatever the server does
 MAX_CALLS = 2000
 # Calls unanswered at once, at most: below what the replacement admits (64 running + 256 waiting),
@@ -34,9 +36,9 @@ STARVED_S = 0.3  # the stopped server's event loop, blocked between its drain an
 
 
 def _server(port: int, log: Path, starved_s: float | None = None) -> ServiceProcess:
-    command = ["tests.rpc.slow_generate", "--port", str(port), "--hold-s", "0.3"]
+    command = ["tests.support.slow_generate", "--port", str(port), "--hold-s", "0.3"]
     if starved_s is not None:
-        command = ["tests.rpc.starved_stop", str(starved_s), *command]
+        command = ["tests.support.starved_stop", str(starved_s), *command]
     process = ServiceProcess("slow", command[0], command[1:], log)
     process.start()
     process.wait_ready(60)

@@ -11,6 +11,8 @@ import pytest
 
 from tests.soak.soak import ROLES, SoakConfig, render, run_soak
 
+pytestmark = pytest.mark.stack
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)

@@ -16,7 +16,6 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,32 +27,10 @@ from libs.engine.media import synthetic
 from libs.launch.process import ROOT
 from libs.telemetry.report import breakdowns
 from libs.telemetry.spans import load_jsonl
-from tests.services.conftest import run_requests
+from tests.support.epd_cli import EPD, cli_env, parse_table, run_epd
+from tests.support.stacks import run_requests
 
-EPD = str(Path(sys.executable).parent / "epd")
-
-
-def _env() -> dict[str, str]:
-    # The checkout under test, whatever the venv's editable install points at.
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-
-
-def _run(args: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """Run `epd args` to completion; on timeout stop it by its PID (SIGINT, then SIGKILL)."""
-    process = subprocess.Popen(
-        [EPD, *args], cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        out, err = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGINT)  # the demo and `up` stop their services on the way out
-        try:
-            out, err = process.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out, err = process.communicate()
-        raise AssertionError(f"epd {' '.join(args)} ran past {timeout_s} s:\n{out}\n{err}") from None
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+pytestmark = pytest.mark.stack
 
 
 def _make_run_args() -> list[str]:
@@ -70,19 +47,6 @@ def _make_run_args() -> list[str]:
     return words[1:]
 
 
-def _table(text: str, header_start: str) -> tuple[list[str], dict[str, list[str]]]:
-    """Columns and rows (by first cell) of the whitespace-aligned table whose header starts so."""
-    lines = text.splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith(header_start))
-    rows: dict[str, list[str]] = {}
-    for line in lines[at + 1 :]:
-        if not line.strip():
-            break
-        cells = line.split()
-        rows[cells[0]] = cells[1:]
-    return lines[at].split()[1:], rows
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_make_run_demo(model_path: Path, tmp_path: Path) -> None:
@@ -90,17 +54,17 @@ def test_make_run_demo(model_path: Path, tmp_path: Path) -> None:
     assert args[:1] == ["demo"] and "--cache-store" in args
     spans = tmp_path / "traces" / "spans.jsonl"
     extra = ["--model", str(model_path), "--run-dir", str(tmp_path / "run"), "--trace-file", str(spans)]
-    done = _run([*args, *extra], cwd=tmp_path, timeout_s=480)
+    done = run_epd([*args, *extra], cwd=tmp_path, timeout_s=480)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     # The outputs table: every request streamed its tokens.
-    _, outputs = _table(out, "request ")
+    _, outputs = parse_table(out, "request ")
     assert set(outputs) == {"text", "image", "video", "audio", "audio+image"}
     assert all(cells[0] != "FAILED" and int(cells[0]) > 0 for cells in outputs.values()), outputs
     statuses = re.search(r"^stopped: (\{.*\});", out, re.MULTILINE)
     assert statuses is not None and set(re.findall(r": (-?\d+|None)", statuses.group(1))) == {"0"}, out
     # The attribution table: the repeated media were found in the shared store, not computed.
-    columns, split = _table(out, "request              ")
+    columns, split = parse_table(out, "request              ")
     encode, cache_load = columns.index("encode"), columns.index("cache_load")
     repeated = split["demo-audio-image"]
     assert float(repeated[encode]) == 0 and float(repeated[cache_load]) > 0, out
@@ -136,7 +100,7 @@ def test_epd_up_generate_and_trace_report(model_path: Path, tmp_path: Path) -> N
     up = subprocess.Popen(
         [EPD, "up", *stack, "--run-dir", str(run_dir), "--trace-file", str(spans)],
         cwd=tmp_path,
-        env=_env(),
+        env=cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -144,7 +108,7 @@ def test_epd_up_generate_and_trace_report(model_path: Path, tmp_path: Path) -> N
     try:
         address = _wait_for_address(up, run_dir / "router.address", 240)
         prompt = ["what is in this image", "--image", str(image), "--run-dir", str(run_dir)]
-        greedy = _run(["generate", *prompt, "--max-tokens", "12"], cwd=tmp_path, timeout_s=120)
+        greedy = run_epd(["generate", *prompt, "--max-tokens", "12"], cwd=tmp_path, timeout_s=120)
         assert greedy.returncode == 0, greedy.stderr
         assert re.search(r"\] 12 tokens, FINISH_REASON_LENGTH, ttft [\d.]+ ms", greedy.stderr), greedy.stderr
         # What it printed is what the router streams (a Python client's request, same bytes).
@@ -155,7 +119,7 @@ def test_epd_up_generate_and_trace_report(model_path: Path, tmp_path: Path) -> N
         )
         assert greedy.stdout == run_requests(address, [request])[0].text + "\n"
         seeded = [
-            _run(["generate", *prompt, "--max-tokens", "12", "--temperature", "0.9", "--seed", "5"], tmp_path, 120)
+            run_epd(["generate", *prompt, "--max-tokens", "12", "--temperature", "0.9", "--seed", "5"], tmp_path, 120)
             for _ in range(2)
         ]
         assert all(s.returncode == 0 for s in seeded)
@@ -177,9 +141,11 @@ def test_epd_up_generate_and_trace_report(model_path: Path, tmp_path: Path) -> N
     assert not (run_dir / "router.address").exists()
     assert not [name for name, pid in pids.items() if Path(f"/proc/{pid}").exists()]  # all gone
 
-    report = _run(["trace", "report", "--file", str(spans), "--waterfall", "slowest", "--out", "w.html"], tmp_path, 60)
+    report = run_epd(
+        ["trace", "report", "--file", str(spans), "--waterfall", "slowest", "--out", "w.html"], tmp_path, 60
+    )
     assert report.returncode == 0, report.stderr
-    columns, rows = _table(report.stdout, "request ")
+    columns, rows = parse_table(report.stdout, "request ")
     assert columns[:2] == ["ttft", "queue"] and "encode" in columns
     assert len([r for r in rows if not r.startswith("p")]) >= 4  # the four generate requests
     assert {"p50", "p90", "p99"} <= set(rows)

@@ -7,7 +7,7 @@ every embedding lease back.
 The router's half of the stop race (the client's: tests/rpc/test_stop_race.py): a prefill restarted
 on its port under load; what its draining server refused and what its stopping server cancelled
 (grpc core's bare CANCELLED) the router waits out, so a client that never retries sees no failure.
-The prefill's event loop is starved for a moment before its server stops (tests/rpc/starved_stop.py),
+The prefill's event loop is starved for a moment before its server stops (tests/support/starved_stop.py),
 so the cancelling happens on every restart, not only when a loaded host makes it."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from libs.client.generate import GenerationResult, build_request, generate, open
 from libs.contract.epd.v1 import generate_pb2, generate_pb2_grpc, sampling_pb2
 from libs.launch.process import ServiceProcess, free_port
 from libs.launch.stack import Stack
-from tests.services.conftest import MIXES, run_requests, wait_pools_empty
-from tests.services.golden import request_for
-from tests.services.interposer import Interposer
+from tests.support.golden import request_for
+from tests.support.interposer import Interposer
+from tests.support.stacks import MIXES, run_requests, wait_pools_empty
 
 TOKENS = 256  # in flight for a good while after the signal, done well within the grace period
 GRACE = ["--grace-s", "120"]
@@ -76,6 +76,7 @@ def _check_finished(results: list[GenerationResult]) -> None:
         assert (len(result.token_ids), result.finish_reason) == (TOKENS, "FINISH_REASON_LENGTH"), result.request_id
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_colocated_drains_in_flight_requests_and_refuses_new_ones(model_path: Path, tmp_path: Path) -> None:
@@ -95,6 +96,7 @@ def test_colocated_drains_in_flight_requests_and_refuses_new_ones(model_path: Pa
     assert set(admitted) <= {"OK"} and refused.startswith("UNAVAILABLE: ") and "draining" in refused, probes
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_pd_drains_in_flight_requests(stacks: Callable[[str], Stack], model_path: Path, tmp_path: Path) -> None:
@@ -163,6 +165,7 @@ async def _prefill_restarted_under_load(
         return list(await asyncio.gather(*calls)), status
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_router_waits_out_a_prefill_restart_under_load(
@@ -174,7 +177,7 @@ def test_router_waits_out_a_prefill_restart_under_load(
     port = free_port()
     prefill = ServiceProcess(
         "prefill",
-        "tests.rpc.starved_stop",
+        "tests.support.starved_stop",
         [str(STARVED_S), "services.prefill", "--model", str(model_path), "--pool-mib", "64", "--port", str(port)],
         log_path=tmp_path / "prefill.log",
     )

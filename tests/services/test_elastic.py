@@ -7,7 +7,6 @@ who did the work; the same endpoint carries the occupancy gauge the encoder HPA 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import re
 import threading
@@ -17,24 +16,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from libs.client.generate import build_request, generate, open_channel
-from libs.contract.epd.v1 import media_pb2, sampling_pb2
+from libs.contract.epd.v1 import sampling_pb2
 from libs.launch.k8s import LANE_LABEL, OCCUPANCY_METRIC
 from libs.launch.process import ServiceProcess, free_port
-from tests.services.conftest import pool_stats, wait_for
+from tests.support.load import Load, png_image
+from tests.support.stacks import pool_stats, wait_for
+
+pytestmark = pytest.mark.stack
 
 REFRESH_S = 0.3
-
-
-def _image(seed: int) -> media_pb2.MediaItem:
-    pixels = np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=buffer.getvalue())
 
 
 class Encoder:
@@ -63,46 +56,6 @@ class Encoder:
         return int(total)
 
 
-class Load:
-    """`workers` clients sending requests (a new image each) back to back until stopped."""
-
-    def __init__(self, address: str, workers: int = 3) -> None:
-        self.address = address
-        self.workers = workers
-        self.done = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._seed = 10_000
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def start(self) -> Load:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(120)
-        assert not self._thread.is_alive()
-
-    async def _run(self) -> None:
-        async with open_channel(self.address) as channel:
-
-            async def worker() -> None:
-                while not self._stop.is_set():
-                    self._seed += 1
-                    request = build_request(
-                        "Describe it.", [_image(self._seed)], sampling=sampling_pb2.SamplingParams(max_tokens=4)
-                    )
-                    try:
-                        result = await generate(channel, request, timeout_s=60)
-                        assert len(result.token_ids) == 4, result
-                        self.done += 1
-                    except Exception as exc:  # any failure counts, whatever its kind
-                        self.failures.append(repr(exc))
-
-            await asyncio.gather(*(worker() for _ in range(self.workers)))
-
-
 def _members_changed(router: ServiceProcess, *, added: str = "", removed: str = "") -> bool:
     for line in router.log_tail(400).splitlines():
         if '"members changed"' in line:
@@ -120,7 +73,7 @@ def _send(address: str, seeds: range) -> None:
     async def go() -> None:
         async with open_channel(address) as channel:
             for seed in seeds:
-                request = build_request("Hi.", [_image(seed)], sampling=sampling_pb2.SamplingParams(max_tokens=2))
+                request = build_request("Hi.", [png_image(seed)], sampling=sampling_pb2.SamplingParams(max_tokens=2))
                 assert len((await generate(channel, request, timeout_s=60)).token_ids) == 2
 
     asyncio.run(go())

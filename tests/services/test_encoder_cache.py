@@ -6,7 +6,6 @@ router's short-circuit, a store killed mid-load and poisoned entries: test_share
 
 from __future__ import annotations
 
-import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,13 +15,11 @@ import pytest
 from libs.contract.epd.v1 import generate_pb2
 from libs.launch.process import ServiceProcess, free_port
 from libs.launch.stack import Stack, StackSpec
-from tests.services.conftest import MIXES, run_requests, wait_pools_empty
-from tests.services.golden import request_for
+from tests.support.golden import request_for
+from tests.support.metrics import counter_total
+from tests.support.stacks import MIXES, run_requests, wait_pools_empty
 
-
-def _counter(text: str, name: str) -> float:
-    """Sum of a Prometheus counter's samples (all label sets)."""
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE))
+pytestmark = pytest.mark.stack
 
 
 @pytest.mark.timeout(240)
@@ -68,7 +65,7 @@ def test_same_new_image_is_encoded_once(model_path: Path, tmp_path: Path, expect
         wait_pools_empty(stack)
     assert len(first) == 16
     assert [r.token_ids for r in [*first, *later]] == [expected["image"]] * 17  # the model's own tokens, each
-    assert sum(_counter(t, "epd_cache_computes_total") for t in texts) == 1
-    lookups = sum(_counter(t, "epd_cache_lookups_total") for t in texts)
-    joins = sum(_counter(t, "epd_cache_flight_joins_total") for t in texts)
+    assert sum(counter_total(t, "epd_cache_computes_total") for t in texts) == 1
+    lookups = sum(counter_total(t, "epd_cache_lookups_total") for t in texts)
+    joins = sum(counter_total(t, "epd_cache_flight_joins_total") for t in texts)
     assert lookups >= 2 and joins + lookups >= 17  # everyone else shared the flight or hit the cache

@@ -24,6 +24,8 @@ from libs.engine.media import synthetic
 from libs.launch.process import ServiceProcess
 from libs.rpc.server import channel_options
 
+pytestmark = pytest.mark.integration
+
 
 def _job(request_id: str, image: media_pb2.MediaItem, policy: int) -> encoder_pb2.EncodeRequest:
     return encoder_pb2.EncodeRequest(

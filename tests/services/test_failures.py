@@ -34,17 +34,11 @@ from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack, StackSpec
 from libs.telemetry.spans import OtlpReceiver, SpanRecord
 from services.router.encoders import _weight as rendezvous_weight
-from tests.services.conftest import (
-    MIXES,
-    pool_stats,
-    run_requests,
-    trace_spans,
-    traced,
-    tracing_env,
-    wait_for,
-    wait_pools_empty,
-)
-from tests.services.golden import request_for
+from tests.support.golden import request_for
+from tests.support.stacks import MIXES, pool_stats, run_requests, wait_for, wait_pools_empty
+from tests.support.tracing import trace_spans, traced, tracing_env
+
+pytestmark = pytest.mark.stack
 
 # Greedy decoding of this prompt on the tiny checkpoint runs to max_tokens without an EOS.
 ENDLESS = "Count forever."

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from libs.launch.stack import Stack
-from tests.services.conftest import MIXES, run_requests
-from tests.services.golden import MAX_TOKENS, request_for
+from tests.support.golden import MAX_TOKENS, request_for
+from tests.support.stacks import MIXES, run_requests
+
+pytestmark = pytest.mark.stack
 
 LAYOUTS = ["colocated", "e+pd", "e/p/d"]
 

@@ -15,10 +15,12 @@ from libs.engine.checkpoints import ensure_checkpoint
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.types import Modality
 from libs.launch.stack import Stack, StackSpec
-from tests.engine.mixes import mixes
-from tests.engine.reference import load_reference
-from tests.services.conftest import run_requests
-from tests.services.golden import expected_tokens, request_for
+from tests.support.golden import expected_tokens, request_for
+from tests.support.mixes import mixes
+from tests.support.reference import load_reference
+from tests.support.stacks import run_requests
+
+pytestmark = pytest.mark.stack
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
 MIXES = {mix.name: mix for mix in mixes(frozenset({Modality.IMAGE, Modality.VIDEO}))}

@@ -27,7 +27,9 @@ from libs.contract.epd.v1 import (
 from libs.engine.media import synthetic
 from libs.launch.stack import Stack
 from libs.transfer.stamp import CAPABILITY, CHECKSUMS_CAPABILITY
-from tests.services.conftest import wait_pools_empty
+from tests.support.stacks import wait_pools_empty
+
+pytestmark = pytest.mark.stack
 
 
 def _encode(encoder: str, seed: int, transport: int = tensor_pb2.TRANSPORT_KIND_NIXL) -> layout_pb2.EncodedMedia:

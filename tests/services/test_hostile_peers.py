@@ -25,8 +25,8 @@ from libs.contract.epd.v1 import (
 from libs.engine.media import synthetic
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack
-from tests.services.conftest import MIXES, pool_stats, wait_pools_empty
-from tests.services.golden import request_for
+from tests.support.golden import request_for
+from tests.support.stacks import MIXES, pool_stats, wait_pools_empty
 
 
 def _rss_mib(pid: int) -> float:
@@ -44,6 +44,7 @@ def _golden_ok(address: str, expected: dict[str, list[int]], names: list[str]) -
     assert asyncio.run(run()) == {n: expected[n] for n in names}
 
 
+@pytest.mark.stack
 @pytest.mark.timeout(240)
 def test_clients_that_never_read_hold_nothing_and_harm_no_one(
     stacks: Callable[[str], Stack], expected: dict[str, list[int]]
@@ -70,6 +71,7 @@ def test_clients_that_never_read_hold_nothing_and_harm_no_one(
     asyncio.run(scenario())
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_flood_of_streams_is_bounded_and_the_stack_recovers(
@@ -108,6 +110,7 @@ def test_a_flood_of_streams_is_bounded_and_the_stack_recovers(
     assert _rss_mib(router_pid) < before + 150, (before, _rss_mib(router_pid))
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_handles_never_read_are_reclaimed_at_lease_expiry(model_path: Path, tmp_path: Path) -> None:
     encoder = ServiceProcess(
@@ -148,6 +151,7 @@ def test_handles_never_read_are_reclaimed_at_lease_expiry(model_path: Path, tmp_
         assert encoder.stop() == 0, encoder.log_tail()
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_requests_at_the_size_limit_repeated_stay_bounded(stacks: Callable[[str], Stack]) -> None:

@@ -8,8 +8,10 @@ from collections.abc import Callable
 import pytest
 
 from libs.launch.stack import Stack
-from tests.services.conftest import MIXES, run_requests, wait_pools_empty
-from tests.services.golden import request_for
+from tests.support.golden import request_for
+from tests.support.stacks import MIXES, run_requests, wait_pools_empty
+
+pytestmark = pytest.mark.stack
 
 
 @pytest.mark.timeout(600)

@@ -9,8 +9,10 @@ import pytest
 
 from libs.launch.k8s import LANE_LABEL, OCCUPANCY_METRIC
 from libs.launch.process import ServiceProcess, free_port
-from tests.services.conftest import MIXES, run_requests
-from tests.services.golden import request_for
+from tests.support.golden import request_for
+from tests.support.stacks import MIXES, run_requests
+
+pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(120)

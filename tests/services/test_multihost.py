@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 
 from libs.launch.process import ServiceProcess
-from tests.multihost.netns import NamespacesUnavailable, Topology, namespaces
-from tests.services.conftest import MIXES
+from tests.support.netns import NamespacesUnavailable, Topology, namespaces
+from tests.support.stacks import MIXES
+
+pytestmark = pytest.mark.stack
 
 HOSTS = ["client", "dns", "router", "encoder-0", "encoder-1", "prefill", "decode"]
 PORTS = {"router": 50051, "encoder": 50061, "prefill": 50071, "decode": 50081}

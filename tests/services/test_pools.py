@@ -26,10 +26,12 @@ import pytest
 from libs.engine.encoder_runner import EncoderRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.launch.process import ServiceProcess, free_port
-from tests.engine.reference import load_reference
-from tests.services.conftest import MIXES, pool_stats, run_requests, wait_for
-from tests.services.golden import expected_tokens, request_for
-from tests.services.test_elastic import Load
+from tests.support.golden import expected_tokens, request_for
+from tests.support.load import Load, png_image
+from tests.support.reference import load_reference
+from tests.support.stacks import MIXES, pool_stats, run_requests, wait_for
+
+pytestmark = pytest.mark.stack
 
 REFRESH_S = 0.3
 GOLDEN_MIXES = ("text", "image", "two_images", "audio_image")
@@ -147,10 +149,9 @@ def _send(stack: PoolStack, count: int, seed: int) -> None:
     """`count` image requests at once, each with a new image."""
     from libs.client.generate import build_request
     from libs.contract.epd.v1 import sampling_pb2
-    from tests.services.test_elastic import _image
 
     requests = [
-        build_request("Hi.", [_image(seed + i)], sampling=sampling_pb2.SamplingParams(max_tokens=3))
+        build_request("Hi.", [png_image(seed + i)], sampling=sampling_pb2.SamplingParams(max_tokens=3))
         for i in range(count)
     ]
     results = run_requests(stack.address, requests, timeout_s=60)

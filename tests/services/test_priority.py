@@ -12,7 +12,9 @@ import pytest
 from libs.client.generate import build_request, open_channel
 from libs.contract.epd.v1 import generate_pb2_grpc, sampling_pb2, stats_pb2, stats_pb2_grpc
 from libs.launch.stack import Stack
-from tests.services.conftest import wait_pools_empty
+from tests.support.stacks import wait_pools_empty
+
+pytestmark = pytest.mark.stack
 
 SLOTS = 8  # the colocated service admits min(max_running 16, max_batch 8) requests at once
 ARRIVALS = [("low-1", -10), ("low-2", -10), ("high", 50), ("default", 0)]

@@ -1,6 +1,6 @@
 """The router's recovery paths against real services, each at a precise moment: a router of our own
 reaches the session stack's prefill and decode (or PD) through an interposer (a real gRPC server in
-this process, tests/services/interposer.py) that acts on a request before forwarding it.
+this process, tests/support/interposer.py) that acts on a request before forwarding it.
 
 - An embedding gone or damaged between encode and prefill (its lease released at the encoder, its
   handle past its expiry, or bytes that no longer match the handle's checksum): the real prefill /
@@ -30,9 +30,12 @@ from libs.contract.epd.v1 import generate_pb2, generate_pb2_grpc, sampling_pb2
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack
 from libs.telemetry.spans import OtlpReceiver
-from tests.services.conftest import MIXES, pool_stats, run_requests, tracing_env, wait_pools_empty
-from tests.services.golden import request_for
-from tests.services.interposer import Interposer
+from tests.support.golden import request_for
+from tests.support.interposer import Interposer
+from tests.support.stacks import MIXES, pool_stats, run_requests, wait_pools_empty
+from tests.support.tracing import tracing_env
+
+pytestmark = pytest.mark.stack
 
 # Per layout: the stage the interposer fronts and its method.
 STAGE = {"e/p/d": ("prefill", "Prefill"), "e+pd": ("pd", "PrefillDecode")}

@@ -16,8 +16,10 @@ from transformers import AutoTokenizer
 from libs.client.generate import GenerationResult
 from libs.contract.epd.v1 import generate_pb2
 from libs.launch.stack import Stack
-from tests.services.conftest import MIXES, run_requests
-from tests.services.golden import request_for
+from tests.support.golden import request_for
+from tests.support.stacks import MIXES, run_requests
+
+pytestmark = pytest.mark.stack
 
 LAYOUTS = ["colocated", "e+pd", "e/p/d"]
 TOKENS = 24

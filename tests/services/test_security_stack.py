@@ -20,9 +20,11 @@ from libs.launch.process import ROOT
 from libs.launch.stack import CLIENT_TOKEN, Stack, StackSpec
 from libs.rpc import security
 from libs.rpc.certs import LocalCa
-from tests.contract import samples
-from tests.services.conftest import MIXES
-from tests.services.golden import request_for
+from tests.support import samples
+from tests.support.golden import request_for
+from tests.support.stacks import MIXES
+
+pytestmark = pytest.mark.stack
 
 MIX_NAMES = ["image", "audio_image", "video"]
 

@@ -37,8 +37,10 @@ from libs.launch.stack import Stack, StackSpec
 from libs.serving.convert import media_input
 from libs.telemetry.report import breakdowns
 from libs.telemetry.spans import by_trace, load_jsonl
-from tests.services.conftest import MIXES, pool_stats, run_requests, wait_pools_empty
-from tests.services.golden import request_for
+from tests.support.golden import request_for
+from tests.support.stacks import MIXES, pool_stats, run_requests, wait_pools_empty
+
+pytestmark = pytest.mark.stack
 
 
 def _counter(port: int, name: str, **labels: str) -> float:

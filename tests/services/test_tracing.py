@@ -30,8 +30,11 @@ from libs.launch.stack import Stack, StackSpec
 from libs.telemetry.report import CATEGORIES, breakdowns
 from libs.telemetry.spans import OtlpReceiver, SpanRecord, by_trace
 from libs.telemetry.waterfall import render
-from tests.services.conftest import MIXES, trace_spans, traced
-from tests.services.golden import request_for
+from tests.support.golden import request_for
+from tests.support.stacks import MIXES
+from tests.support.tracing import trace_spans, traced
+
+pytestmark = pytest.mark.stack
 
 ROUTER_PHASES = {"router.queue", "epd.encode", "epd.prefill", "epd.decode"}
 

@@ -19,9 +19,11 @@ from libs.client.generate import GenerationResult, generate, open_channel
 from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
 from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
 from libs.launch.process import ROOT, ServiceProcess, free_port
-from tests.release_tree import release_checkout
-from tests.services.conftest import MIXES
-from tests.services.golden import request_for
+from tests.support.golden import request_for
+from tests.support.release_tree import release_checkout
+from tests.support.stacks import MIXES
+
+pytestmark = pytest.mark.stack
 
 RELEASE_1_0 = "Release contract v1.0"
 MIX_NAMES = ["text", "image", "audio_image", "video"]

@@ -21,13 +21,14 @@ from libs.engine.checkpoints.generate import ensure_converted
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack, StackSpec
 from libs.serving.speech import SPEECH_TRANSCRIPTION
-from tests.engine.whisper_staged import load_reference, reference_tokens
-from tests.release_tree import release_checkout
-from tests.services.conftest import run_requests
-from tests.services.test_encoder_cache import _counter
-from tests.speech_corpus import UTTERANCES, utterance
+from tests.support.epd_cli import parse_table, run_epd
+from tests.support.metrics import counter_total
+from tests.support.release_tree import release_checkout
+from tests.support.speech_corpus import UTTERANCES, utterance
+from tests.support.stacks import run_requests
+from tests.support.whisper_staged import load_reference, reference_tokens
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 NAMES = ["short", "twenty_seconds", "long_form"]
 RELEASE_1_3 = "Contract 1.3: KvCache.paged"
@@ -91,17 +92,15 @@ def test_speech_services_advertise_transcription(whisper_stack: Stack) -> None:
 def test_epd_transcribe_prints_the_transcript(whisper_path: Path, whisper_stack: Stack, tmp_path: Path) -> None:
     """`epd transcribe FILE --address ROUTER`, like `epd generate`: the streamed text on stdout (the
     text of generate()'s tokens), a summary line on stderr, exit 0; a missing file exits 2."""
-    from tests.services.test_cli import _run
-
     clip = tmp_path / "short.wav"
     clip.write_bytes(utterance(*UTTERANCES["short"]))
-    done = _run(["transcribe", str(clip), "--address", whisper_stack.address], cwd=tmp_path, timeout_s=240)
+    done = run_epd(["transcribe", str(clip), "--address", whisper_stack.address], cwd=tmp_path, timeout_s=240)
     assert done.returncode == 0, done.stderr
     model, processor = load_reference(whisper_path)
     expected = processor.tokenizer.decode(reference_tokens(model, processor, clip.read_bytes()))
     assert done.stdout.strip() == expected.strip()
     assert "FINISH_REASON_STOP" in done.stderr
-    missing = _run(["transcribe", str(tmp_path / "none.wav"), "--address", whisper_stack.address], tmp_path, 120)
+    missing = run_epd(["transcribe", str(tmp_path / "none.wav"), "--address", whisper_stack.address], tmp_path, 120)
     assert missing.returncode == 2 and "no such file" in missing.stderr
 
 
@@ -142,19 +141,18 @@ def test_make_run_speech_demo(whisper_path: Path, tmp_path: Path) -> None:
     import subprocess
 
     from libs.launch.process import ROOT
-    from tests.services.test_cli import _run, _table
 
     dry = subprocess.run(["make", "-n", "--no-print-directory", "run"], cwd=ROOT, capture_output=True, text=True)
     assert any(line.split()[1:2] == ["speech-demo"] for line in dry.stdout.splitlines() if line.strip()), dry.stdout
     spans = tmp_path / "spans.jsonl"
     args = ["speech-demo", "--model", str(whisper_path), "--run-dir", str(tmp_path / "run"), "--trace-file", str(spans)]
-    done = _run(args, cwd=tmp_path, timeout_s=420)
+    done = run_epd(args, cwd=tmp_path, timeout_s=420)
     assert done.returncode == 0, done.stdout + done.stderr
-    _, rows = _table(done.stdout, "clip ")
+    _, rows = parse_table(done.stdout, "clip ")
     assert set(rows) >= {"short", "long-form"}
     assert all(rows[name][0] != "FAILED" and int(rows[name][1]) > 0 for name in ("short", "long-form")), rows
     assert "stopped: {'router': 0, 'encoder-0': 0, 'prefill': 0, 'decode': 0}" in done.stdout
-    _, report = _table(done.stdout, "request ")
+    _, report = parse_table(done.stdout, "request ")
     assert {"speech-short", "speech-long-form"} <= set(report)
     windows = [line for line in spans.read_text().splitlines() if '"epd.transcribe.window"' in line]
     assert len(windows) == 3  # one window for the short clip, two for the long one
@@ -173,7 +171,6 @@ def test_same_clip_twice_is_a_cache_hit_and_traced(whisper_path: Path, tmp_path:
     from libs.launch.process import free_port
     from libs.telemetry.report import breakdowns
     from libs.telemetry.spans import by_trace, load_jsonl
-    from tests.services.test_cli import _run, _table
 
     spans_file = tmp_path / "spans.jsonl"
     port = free_port()
@@ -195,8 +192,8 @@ def test_same_clip_twice_is_a_cache_hit_and_traced(whisper_path: Path, tmp_path:
     model, processor = load_reference(whisper_path)
     expected = reference_tokens(model, processor, clip)
     assert [r.token_ids for r in results] == [expected, expected]
-    assert _counter(metrics, "epd_cache_computes_total") == 1
-    assert _counter(metrics, "epd_cache_lookups_total") == 2
+    assert counter_total(metrics, "epd_cache_computes_total") == 1
+    assert counter_total(metrics, "epd_cache_lookups_total") == 2
 
     recorded = load_jsonl(spans_file)
     rows = {b.request_id: b for b in breakdowns(recorded)}
@@ -210,9 +207,9 @@ def test_same_clip_twice_is_a_cache_hit_and_traced(whisper_path: Path, tmp_path:
         assert rows[request_id].output_tokens == len(expected)
     assert rows["again-0"].parts["encode"] > 0 and rows["again-1"].parts["encode"] == 0
 
-    done = _run(["trace", "report", "--file", str(spans_file)], cwd=tmp_path, timeout_s=120)
+    done = run_epd(["trace", "report", "--file", str(spans_file)], cwd=tmp_path, timeout_s=120)
     assert done.returncode == 0, done.stderr
-    columns, report = _table(done.stdout, "request ")
+    columns, report = parse_table(done.stdout, "request ")
     assert {"again-0", "again-1"} <= set(report)
     assert all(int(report[r][-1]) == len(expected) for r in ("again-0", "again-1")), report
     encode = columns.index("encode")

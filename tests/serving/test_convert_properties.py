@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import struct
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,8 @@ from libs.contract.errors import InvalidArgument
 from libs.contract.validation import DEFAULT_LIMITS, validate_item_layout, validate_sampling
 from libs.engine import types as eng
 from libs.serving import convert
+
+pytestmark = pytest.mark.unit
 
 settings.register_profile("epd", deadline=None, max_examples=100)
 settings.load_profile("epd")

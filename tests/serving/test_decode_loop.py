@@ -7,8 +7,12 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
+
 from libs.engine.types import FinishReason, TokenChunk
 from libs.serving.engine_loop import DecodeLoop, EngineThread, StepStats
+
+pytestmark = pytest.mark.unit
 
 
 class _Runner:

@@ -10,6 +10,8 @@ import pytest
 
 from libs.serving.engine_loop import EngineThread
 
+pytestmark = pytest.mark.unit
+
 
 async def _hold_thread(engine: EngineThread, gate: threading.Event) -> asyncio.Future[object]:
     """A job that holds the engine thread until `gate` is set, once the thread is running it (an

@@ -311,7 +311,7 @@ def run_soak(config: SoakConfig, log: Path | None = None) -> SoakResult:
 
 
 def _pools_empty(stack: Stack) -> tuple[bool, str]:
-    from tests.services.conftest import wait_pools_empty
+    from tests.support.stacks import wait_pools_empty
 
     try:
         wait_pools_empty(stack, timeout_s=60, allow_quarantine=True)

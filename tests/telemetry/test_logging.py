@@ -6,10 +6,13 @@ import io
 import json
 import logging
 
+import pytest
 import structlog
 from opentelemetry.sdk.trace import TracerProvider
 
 from libs.telemetry import bind_request, configure_logging
+
+pytestmark = pytest.mark.unit
 
 
 def _lines(stream: io.StringIO) -> list[dict[str, object]]:

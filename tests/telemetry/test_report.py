@@ -11,6 +11,8 @@ import pytest
 from libs.telemetry.report import CATEGORIES, attribute, breakdowns, render_text
 from libs.telemetry.spans import SpanRecord
 
+pytestmark = pytest.mark.unit
+
 TRACE = "ab" * 16
 MS = 1_000_000  # ns
 T0 = 1_700_000_000_000 * MS  # an arbitrary epoch instant: spans carry wall-clock times

@@ -14,6 +14,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from libs.telemetry import configure_tracing
 
+pytestmark = pytest.mark.unit
+
 
 def test_jsonl_exporter_writes_spans_with_resource(tmp_path: Path) -> None:
     path = tmp_path / "traces" / "spans.jsonl"

@@ -11,26 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from libs.contract.epd.v1 import tensor_pb2
 from libs.transfer import TensorConsumer, TransferAgent, TransferConfig
-from tests.transfer.peer import PeerProcess
-
-MiB = 1 << 20
-
-
-class Resolver:
-    """Metadata by agent name, as a service's GetServiceInfo call would return it; counts calls."""
-
-    def __init__(self) -> None:
-        self.blobs: dict[str, bytes] = {}
-        self.calls = 0
-
-    def add(self, peer: PeerProcess) -> None:
-        self.blobs[peer.agent_info.agent_name] = peer.metadata
-
-    def __call__(self, ref: tensor_pb2.NixlAgentRef) -> bytes:
-        self.calls += 1
-        return self.blobs[ref.agent_name]
+from tests.support.transfer_peer import MiB, PeerProcess, Resolver
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,9 @@ from libs.transfer import (
     TransferConfig,
 )
 from libs.transfer.errors import InlineRefused
-from tests.transfer.peer import PeerProcess, Published, digest
+from tests.support.transfer_peer import PeerProcess, Published, digest
+
+pytestmark = pytest.mark.integration
 
 EMBEDDINGS = [("embeddings", (64, 32), "float32")]
 

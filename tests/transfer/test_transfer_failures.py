@@ -17,8 +17,9 @@ from libs.transfer import (
     TransferConfig,
     TransferTimeout,
 )
-from tests.transfer.conftest import MiB, Resolver
-from tests.transfer.peer import PeerError, PeerProcess, digest
+from tests.support.transfer_peer import MiB, PeerError, PeerProcess, Resolver, digest
+
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture

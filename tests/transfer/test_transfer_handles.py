@@ -28,7 +28,7 @@ from libs.transfer.handles import (
 )
 from libs.transfer.peers import PeerDirectory
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def nixl_handle(**spec_overrides: object) -> tensor_pb2.TensorHandle:

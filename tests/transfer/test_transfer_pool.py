@@ -13,7 +13,7 @@ import pytest
 from libs.transfer import PoolExhausted
 from libs.transfer.pool import POISON_BYTE, SLOT_ALIGNMENT, MemoryPool
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 KiB = 1 << 10
 

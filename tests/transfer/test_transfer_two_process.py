@@ -25,8 +25,9 @@ from libs.transfer import (
     TransferConfig,
 )
 from libs.transfer.agent import PendingRead, Range
-from tests.transfer.conftest import MiB, Resolver
-from tests.transfer.peer import PeerError, PeerProcess, Published, digest
+from tests.support.transfer_peer import MiB, PeerError, PeerProcess, Published, Resolver, digest
+
+pytestmark = pytest.mark.integration
 
 KiB = 1 << 10
 

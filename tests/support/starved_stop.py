@@ -1,5 +1,5 @@
 """Run a service whose event loop is starved just before its gRPC server stops, the moment a loaded
-host makes likely: `python -m tests.rpc.starved_stop SECONDS MODULE [ARGS...]` runs `MODULE` (an
+host makes likely: `python -m tests.support.starved_stop SECONDS MODULE [ARGS...]` runs `MODULE` (an
 EPD service, unchanged) with `EpdServer.stop` blocking its event loop for SECONDS after the drain.
 
 Calls that arrive meanwhile are accepted by grpc core (its I/O runs outside the Python loop) but

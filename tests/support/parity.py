@@ -1,5 +1,5 @@
 """One media item through the project's preprocessing and through the family's transformers
-processor, compared field by field. Used by the parity tests and by `python -m tests.engine.parity`,
+processor, compared field by field. Used by the parity tests and by `python -m tests.support.parity`,
 which prints the parity table (family x modality x case)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from libs.engine.types import (
     ProcessorOptions,
     TextPart,
 )
-from tests.engine.hf_reference import (
+from tests.support.hf_reference import (
     RefItem,
     has_transparency,
     processor_composites_alpha,
@@ -133,7 +133,7 @@ def table() -> list[Comparison]:
     from libs.engine.checkpoints import ensure_checkpoint
     from libs.engine.encoder_runner import EncoderRunner
     from libs.engine.lm_runtime import LanguageModelRuntime
-    from tests.engine import media_set
+    from tests.support import media_set
 
     rows = []
     for family in ("qwen2_5_omni", "qwen2_5_vl", "qwen3_vl"):
@@ -151,7 +151,7 @@ def table() -> list[Comparison]:
 def main() -> None:
     import transformers
 
-    from tests.engine.hf_reference import processor_kind
+    from tests.support.hf_reference import processor_kind
 
     rows = table()
     print(f"reference: {processor_kind(Path('.'))}; transformers {transformers.__version__}\n")

@@ -24,8 +24,8 @@ from google.protobuf import message
 from libs.contract import validation
 from libs.contract.epd.v1 import tensor_pb2
 from libs.contract.errors import EpdError
-from tests.contract import samples
-from tests.fuzz.structured import fill
+from tests.support import samples
+from tests.support.fuzz_structured import fill
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def _cache_entry(data: bytes) -> None:
     checksum is explored too."""
     from libs.cache import entry
     from libs.cache.keys import ENTRY_FORMAT_VERSION
-    from tests.cache.helpers import SPECS, make_entry
+    from tests.support.cache import SPECS, make_entry
 
     key, _ = make_entry()
     if data[:1] == b"\x01":
@@ -166,7 +166,7 @@ def _cache_entry(data: bytes) -> None:
 
 def _cache_entry_seeds() -> Iterable[bytes]:
     from libs.cache import entry
-    from tests.cache.helpers import make_entry
+    from tests.support.cache import make_entry
 
     _, valid = make_entry()
     blob = entry.encode(valid)

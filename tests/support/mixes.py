@@ -53,7 +53,7 @@ def _stereo_44k() -> bytes:
 
 
 def media_set_case(name: str) -> bytes:
-    from tests.engine.media_set import images
+    from tests.support.media_set import images
 
     return next(c.data for c in images() if c.name == name)
 

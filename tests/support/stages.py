@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tests.engine import wire
+from tests.support import wire
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ class StageProcess:
     def __init__(self, role: str, model_paths: list[Path]) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.engine.stage_worker", role, *map(str, model_paths)],
+            [sys.executable, "-m", "tests.support.stage_worker", role, *map(str, model_paths)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=REPO,

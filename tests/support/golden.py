@@ -10,8 +10,8 @@ from libs.contract.epd.v1 import chat_pb2, generate_pb2, media_pb2, sampling_pb2
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.types import Modality
 from libs.serving.convert import MODALITY_TO_WIRE
-from tests.engine.mixes import Mix
-from tests.engine.reference import reference_generate, reference_inputs
+from tests.support.mixes import Mix
+from tests.support.reference import reference_generate, reference_inputs
 
 MAX_TOKENS = 8
 

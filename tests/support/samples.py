@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from libs.contract import version
 from libs.contract.epd.v1 import (
     chat_pb2,
     decode_pb2,
@@ -318,4 +319,14 @@ def release_leases_request() -> lease_pb2.ReleaseLeasesRequest:
 def get_service_info_request() -> service_info_pb2.GetServiceInfoRequest:
     return service_info_pb2.GetServiceInfoRequest(
         caller_contract_version=service_info_pb2.ContractVersion(major=1, minor=0)
+    )
+
+
+def service_info() -> service_info_pb2.ServiceInfo:
+    """An encoder's ServiceInfo at today's contract version (what an EpdServer under test serves)."""
+    return service_info_pb2.ServiceInfo(
+        contract_version=version.current(),
+        role=service_info_pb2.SERVICE_ROLE_ENCODER,
+        instance_id="inst-1",
+        model=service_info_pb2.ModelIdentity(model_id="tiny", revision="local", weights_digest="00"),
     )

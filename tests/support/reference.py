@@ -12,8 +12,8 @@ from transformers import GenerationConfig
 
 from libs.engine.checkpoint import Checkpoint
 from libs.engine.families import adapter_for
-from tests.engine.hf_reference import RefItem, reference_batch
-from tests.engine.mixes import Mix
+from tests.support.hf_reference import RefItem, reference_batch
+from tests.support.mixes import Mix
 
 
 def load_reference(model_path: str) -> Any:

@@ -28,7 +28,7 @@ from libs.engine.types import (
     SamplingParams,
 )
 from libs.speech.longform import Segment, WindowSegmenter
-from tests.engine.hf_reference import reference_audio
+from tests.support.hf_reference import reference_audio
 
 WINDOW_FRAMES = 3000  # mel frames in one 30 s window
 

@@ -4,7 +4,7 @@
 `TensorProducer` and answers commands (`put`, `put_inline`, `pressure`, `stats`, `release`). Every
 tensor it publishes is random (seeded), never zeros; `put` returns the handle and a SHA-256 per
 tensor so the test can check the consumer's bytes. `stop()` ends it by PID (kill if it does not
-exit), so no test leaves a process behind.
+exit), so no test leaves a process behind. `Resolver` answers a consumer's metadata lookups.
 """
 
 from __future__ import annotations
@@ -160,6 +160,24 @@ class PeerProcess:
         self.conn.close()
 
 
+MiB = 1 << 20
+
+
+class Resolver:
+    """Metadata by agent name, as a service's GetServiceInfo call would return it; counts calls."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, bytes] = {}
+        self.calls = 0
+
+    def add(self, peer: PeerProcess) -> None:
+        self.blobs[peer.agent_info.agent_name] = peer.metadata
+
+    def __call__(self, ref: tensor_pb2.NixlAgentRef) -> bytes:
+        self.calls += 1
+        return self.blobs[ref.agent_name]
+
+
 def _task_state(pid: int, task: str) -> str:
     try:
         with open(f"/proc/{pid}/task/{task}/stat") as f:
@@ -176,7 +194,7 @@ def _serve(conn: Connection, config: dict[str, Any], netns: str | None = None) -
 
     try:
         if netns is not None:  # before the agent exists: UCX binds its sockets in that namespace
-            from tests.multihost.netns import enter
+            from tests.support.netns import enter
 
             enter(netns)
         agent = TransferAgent(TransferConfig(**config))

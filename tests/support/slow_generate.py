@@ -1,4 +1,4 @@
-"""A minimal service for stop-race tests, run as its own process (`python -m tests.rpc.slow_generate`)
+"""A minimal service for stop-race tests, run as its own process (`python -m tests.support.slow_generate`)
 through the same `service_main`, `EpdServer`, `Admission` and `drainer` as every EPD service: its
 `Generate` holds an admission slot for `--hold-s` and answers one token."""
 

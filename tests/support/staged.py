@@ -13,10 +13,10 @@ from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.media.limits import MediaLimits
 from libs.engine.prompt import build_prompt
 from libs.engine.types import ChatMessage, ChatRole, EncodedItem, EncodedPart, TextPart
-from tests.engine import wire
-from tests.engine.mixes import Mix
-from tests.engine.reference import reference_generate, reference_inputs
-from tests.engine.stages import StageProcess, close_all
+from tests.support import wire
+from tests.support.mixes import Mix
+from tests.support.reference import reference_generate, reference_inputs
+from tests.support.stages import StageProcess, close_all
 
 MAX_TOKENS = 8
 

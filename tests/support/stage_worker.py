@@ -2,7 +2,7 @@
 holds one runner per model (one process per role serves every family under test, so the torch
 import is paid once); each request names its model by path.
 
-python -m tests.engine.stage_worker {encoder|prefill|decode} MODEL_PATH [MODEL_PATH ...]
+python -m tests.support.stage_worker {encoder|prefill|decode} MODEL_PATH [MODEL_PATH ...]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from libs.engine.types import (
     SamplingParams,
     TextPart,
 )
-from tests.engine import wire
+from tests.support import wire
 
 
 def _sampling(d: dict[str, Any]) -> SamplingParams:

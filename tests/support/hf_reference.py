@@ -95,7 +95,7 @@ def reference_processor(path: Path, *, transcribed: bool = False) -> Any:
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
     from transformers.video_processing_utils import VideoProcessorMixin
 
-    from tests.engine.hf_transcription import TranscribedQwen2VLImageProcessor, TranscribedVideoProcessor
+    from tests.support.hf_transcription import TranscribedQwen2VLImageProcessor, TranscribedVideoProcessor
 
     family = family_of(path)
     image = TranscribedQwen2VLImageProcessor.from_pretrained(str(path))
