@@ -82,7 +82,9 @@ def _healthy(address: str) -> bool:
 
 
 def _slug(layout: str) -> str:
-    return layout.replace("/", "").replace("+", "")
+    """A request-id part per layout, distinct for each ("e/p/d" -> "e-p-d", "e+pd" -> "e-pd"):
+    every layout's spans reach one receiver, and are told apart by request id."""
+    return layout.replace("/", "-").replace("+", "-")
 
 
 @pytest.mark.timeout(180)
