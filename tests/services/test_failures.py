@@ -35,7 +35,7 @@ from libs.launch.stack import Stack, StackSpec
 from libs.telemetry.spans import OtlpReceiver, SpanRecord
 from services.router.encoders import _weight as rendezvous_weight
 from tests.support.golden import request_for
-from tests.support.stacks import MIXES, pool_stats, run_requests, wait_for, wait_pools_empty
+from tests.support.stacks import MIXES, layout_slug, pool_stats, run_requests, wait_for, wait_pools_empty
 from tests.support.tracing import trace_spans, traced, tracing_env
 
 pytestmark = pytest.mark.stack
@@ -81,12 +81,6 @@ def _healthy(address: str) -> bool:
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-def _slug(layout: str) -> str:
-    """A request-id part per layout, distinct for each ("e/p/d" -> "e-p-d", "e+pd" -> "e-pd"):
-    every layout's spans reach one receiver, and are told apart by request id."""
-    return layout.replace("/", "-").replace("+", "-")
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_deadline_expiring_during_decode_releases_everything(
@@ -99,7 +93,7 @@ def test_deadline_expiring_during_decode_releases_everything(
     deadline_s = 2.0
     for attempt in range(6):
         trace_id, metadata = traced()
-        request = _endless(request_id=f"deadline-{_slug(layout)}-{attempt}")
+        request = _endless(request_id=f"deadline-{layout_slug(layout)}-{attempt}")
         received, code = asyncio.run(
             _stream_until(stack.address, request, timeout_s=deadline_s, cancel_after=None, metadata=metadata)
         )
@@ -133,7 +127,10 @@ def test_client_cancel_mid_stream_releases_everything(
     trace_id, metadata = traced()
     image = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(60, 90, seed=9))
     request = build_request(
-        ENDLESS, [image], sampling=sampling_pb2.SamplingParams(max_tokens=4096), request_id=f"cancel-{_slug(layout)}"
+        ENDLESS,
+        [image],
+        sampling=sampling_pb2.SamplingParams(max_tokens=4096),
+        request_id=f"cancel-{layout_slug(layout)}",
     )
     received, code = asyncio.run(
         _stream_until(stack.address, request, timeout_s=60, cancel_after=20, metadata=metadata)
@@ -391,7 +388,7 @@ def test_encoder_killed_mid_load(doomed_stack: Stack, expected: dict[str, list[i
     stack = doomed_stack
     victim = stack.processes["encoder-0"]
     plan = ["two_images", "image", "video", "audio_image"] * 6
-    slug = _slug(stack.spec.layout)  # request ids of their own: both layouts' spans reach one receiver
+    slug = layout_slug(stack.spec.layout)  # request ids of their own: both layouts' spans reach one receiver
     requests = [request_for(MIXES[name], request_id=f"kill-{slug}-{i}") for i, name in enumerate(plan)]
 
     def holds_work() -> bool:

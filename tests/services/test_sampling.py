@@ -17,16 +17,12 @@ from libs.client.generate import GenerationResult
 from libs.contract.epd.v1 import generate_pb2
 from libs.launch.stack import Stack
 from tests.support.golden import request_for
-from tests.support.stacks import MIXES, run_requests
+from tests.support.stacks import MIXES, layout_slug, run_requests
 
 pytestmark = pytest.mark.stack
 
 LAYOUTS = ["colocated", "e+pd", "e/p/d"]
 TOKENS = 24
-
-
-def _slug(layout: str) -> str:
-    return layout.replace("/", "").replace("+", "")
 
 
 @cache
@@ -93,9 +89,9 @@ def _stop_inside(text: str) -> str:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_stop_sequence_ends_the_stream_before_it(layout: str, stacks: Callable[[str], Stack], model_path: Path) -> None:
     stack = stacks(layout)
-    greedy = _one(stack, _request("audio_image", f"stopseq-greedy-{_slug(layout)}"))
+    greedy = _one(stack, _request("audio_image", f"stopseq-greedy-{layout_slug(layout)}"))
     stop = _stop_inside(greedy.text)
-    result = _one(stack, _request("audio_image", f"stopseq-{_slug(layout)}", stop=[stop, "never appears \x01"]))
+    result = _one(stack, _request("audio_image", f"stopseq-{layout_slug(layout)}", stop=[stop, "never appears \x01"]))
     assert result.finish_reason == "FINISH_REASON_STOP_SEQUENCE"
     assert result.text == greedy.text[: greedy.text.find(stop)]  # the text before it, without it
     n = len(result.token_ids)
@@ -111,14 +107,14 @@ def test_stop_sequence_ends_the_stream_before_it(layout: str, stacks: Callable[[
 def test_stop_token_id_ends_the_stream_at_it(layout: str, stacks: Callable[[str], Stack], model_path: Path) -> None:
     stack = stacks(layout)
     for name in sorted(MIXES):  # a mix whose greedy tokens have a new token past the first two
-        greedy = _one(stack, _request(name, f"stopid-greedy-{name}-{_slug(layout)}")).token_ids
+        greedy = _one(stack, _request(name, f"stopid-greedy-{name}-{layout_slug(layout)}")).token_ids
         fresh = [i for i in range(2, len(greedy)) if greedy[i] not in greedy[:i]]
         if fresh:
             break
     else:
         raise AssertionError("every mix repeats its first tokens")
     at = fresh[0]  # past prefill's token and decode's first: the stop is seen in decode
-    result = _one(stack, _request(name, f"stopid-{_slug(layout)}", stop_token_ids=[greedy[at]]))
+    result = _one(stack, _request(name, f"stopid-{layout_slug(layout)}", stop_token_ids=[greedy[at]]))
     assert result.finish_reason == "FINISH_REASON_STOP"
     assert result.token_ids == greedy[: at + 1]  # up to and with the stop token
     assert result.text == _tokenizer(model_path).decode(greedy[:at], skip_special_tokens=True)  # not its text

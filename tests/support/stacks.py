@@ -67,3 +67,9 @@ def wait_pools_empty(stack: Stack, timeout_s: float = 15.0, *, allow_quarantine:
             assert not busy, f"pools not empty after {timeout_s} s: {busy}"
             return stats
         time.sleep(0.1)
+
+
+def layout_slug(layout: str) -> str:
+    """A request-id part per layout, distinct for each ("e/p/d" -> "e-p-d", "e+pd" -> "e-pd"):
+    every session stack's spans reach one receiver, and tests tell them apart by request id."""
+    return layout.replace("/", "-").replace("+", "-")
