@@ -25,7 +25,8 @@ from libs.contract.epd.v1 import (
 from libs.engine.media import synthetic
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack
-from tests.services.conftest import MIXES, pool_stats, wait_pools_empty
+from libs.telemetry.spans import OtlpReceiver, SpanRecord
+from tests.services.conftest import MIXES, pool_stats, trace_spans, traced, wait_for, wait_pools_empty
 from tests.services.golden import request_for
 
 
@@ -46,19 +47,27 @@ def _golden_ok(address: str, expected: dict[str, list[int]], names: list[str]) -
 
 @pytest.mark.timeout(240)
 def test_clients_that_never_read_hold_nothing_and_harm_no_one(
-    stacks: Callable[[str], Stack], expected: dict[str, list[int]]
+    stacks: Callable[[str], Stack], expected: dict[str, list[int]], receiver: OtlpReceiver
 ) -> None:
     stack = stacks("e/p/d")
+    trace_id, metadata = traced()  # the stalled streams' calls: the router's spans of them join this trace
 
     async def scenario() -> None:
         async with open_channel(stack.address) as stalled_channel:
             stub = generate_pb2_grpc.GenerateServiceStub(stalled_channel)
             # Open streams and read nothing: the server finishes them into its send buffers.
             stalled = [
-                stub.Generate(request_for(MIXES[name], max_tokens=64), timeout=120)
+                stub.Generate(request_for(MIXES[name], max_tokens=64), metadata=metadata, timeout=120)
                 for name in ("image", "audio", "video", "text") * 4
             ]
             await asyncio.to_thread(_golden_ok, stack.address, expected, ["image", "two_images", "audio_image"])
+
+            # The router has finished every stalled stream: its span of each call ends once it wrote
+            # the last reply (what holds before is not yet let go, whatever the host's speed).
+            def finished(spans: list[SpanRecord]) -> bool:
+                return sum(s.name == "GenerateService/Generate" for s in spans) == len(stalled)
+
+            await asyncio.to_thread(trace_spans, receiver, trace_id, finished, 120)
             # While those streams are still open and unread, every service has let their work go.
             await asyncio.to_thread(wait_pools_empty, stack, 60)
             assert all(
@@ -119,10 +128,11 @@ def test_handles_never_read_are_reclaimed_at_lease_expiry(model_path: Path, tmp_
     encoder.start()
     try:
         address = encoder.wait_ready(120)
+        leases = []
         with grpc.insecure_channel(address) as channel:
             stub = encoder_pb2_grpc.EncoderServiceStub(channel)
             for i in range(6):  # a consumer that takes handles and never reads or acks them
-                stub.Encode(
+                reply = stub.Encode(
                     encoder_pb2.EncodeRequest(
                         request_id=f"orphan-{i}",
                         items=[
@@ -137,13 +147,12 @@ def test_handles_never_read_are_reclaimed_at_lease_expiry(model_path: Path, tmp_
                     ),
                     timeout=60,
                 )
-        held = pool_stats(address).pool
-        assert held.active_leases == 6 and held.slots_in_use == 6
-        deadline = time.monotonic() + 30
-        while pool_stats(address).pool.active_leases and time.monotonic() < deadline:
-            time.sleep(0.2)
+                leases.append(reply.items[0].embeddings.lease_id)
+        assert len(set(leases)) == 6 and all(leases)  # six handles, each holding a slot under a lease
+        # Each reclaimed at its expiry (the encoder counts it), however long the six encodes took.
+        wait_for(lambda: pool_stats(address).pool.expired_leases == 6, 60, "the six leases' expiry")
         after = pool_stats(address).pool
-        assert (after.active_leases, after.slots_in_use) == (0, 0)
+        assert (after.active_leases, after.slots_in_use, after.acked_leases, after.released_leases) == (0, 0, 0, 0)
     finally:
         assert encoder.stop() == 0, encoder.log_tail()
 
