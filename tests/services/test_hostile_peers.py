@@ -28,6 +28,7 @@ from libs.launch.stack import Stack
 from libs.telemetry.spans import OtlpReceiver, SpanRecord
 from tests.services.conftest import MIXES, pool_stats, trace_spans, traced, wait_for, wait_pools_empty
 from tests.services.golden import request_for
+from tests.services.interposer import Interposer
 
 
 def _rss_mib(pid: int) -> float:
@@ -82,16 +83,32 @@ def test_clients_that_never_read_hold_nothing_and_harm_no_one(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_flood_of_streams_is_bounded_and_the_stack_recovers(
-    stacks: Callable[[str], Stack], expected: dict[str, list[int]]
+    stacks: Callable[[str], Stack], expected: dict[str, list[int]], tmp_path: Path
 ) -> None:
+    """A router of our own over the session stack, its decode reached through an interposer that
+    holds every Decode call until the flood has met a refusal: the admitted streams keep their
+    router slots meanwhile (prefill's token streamed, decode not begun), on any host."""
     stack = stacks("e/p/d")
-    router_pid = stack.processes["router"].pid
-    before = _rss_mib(router_pid)
+    decode = Interposer(stack.processes["decode"].address)
+    opened = asyncio.Event()  # set on the interposer's loop
+
+    async def hold(request: object) -> None:
+        await opened.wait()
+
+    async def open_gate() -> None:
+        opened.set()
+
+    decode.hooks["Decode"] = hold
+    decode.start()
+    encoders = ",".join(p.address for n, p in stack.processes.items() if n.startswith("encoder-"))
+    args = ["--encoders", encoders, "--prefill", stack.processes["prefill"].address, "--decode", decode.address]
+    router = ServiceProcess("router", "services.router", args, log_path=tmp_path / "router.log")
+    router.start()
     flood = 400  # beyond the router's 64 running + 256 waiting
 
-    async def scenario() -> Counter[str]:
+    async def scenario(address: str) -> Counter[str]:
         outcomes: Counter[str] = Counter()
-        async with open_channel(stack.address) as channel:
+        async with open_channel(address) as channel:
             stub = generate_pb2_grpc.GenerateServiceStub(channel)
             calls = [stub.Generate(request_for(MIXES["text"], max_tokens=128), timeout=60) for _ in range(flood)]
 
@@ -102,19 +119,34 @@ def test_a_flood_of_streams_is_bounded_and_the_stack_recovers(
                 except grpc.aio.AioRpcError as exc:
                     outcomes[exc.code().name] += 1
 
+            async def open_on_refusal() -> None:
+                while not outcomes["RESOURCE_EXHAUSTED"]:
+                    await asyncio.sleep(0.01)
+                await asyncio.to_thread(decode.run, open_gate())  # the held streams decode, slots cycle
+
+            opening = asyncio.ensure_future(open_on_refusal())
             await asyncio.gather(*(first_reply(c) for c in calls))
+            opening.cancel()
             for call in calls:
                 call.cancel()
         return outcomes
 
-    outcomes = asyncio.run(scenario())
-    # Bounded queues say no early and clearly, or the deadline passes in a queue; nothing else.
-    assert set(outcomes) <= {"streaming", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, outcomes
-    assert outcomes["RESOURCE_EXHAUSTED"] > 0 and outcomes["streaming"] > 0, outcomes
-    wait_pools_empty(stack, 120)
-    _golden_ok(stack.address, expected, ["image", "audio"])  # the stack serves normally again
-    # A few hundred refused and cancelled streams cost the router no lasting memory.
-    assert _rss_mib(router_pid) < before + 150, (before, _rss_mib(router_pid))
+    try:
+        address = router.wait_ready(60)
+        before = _rss_mib(router.pid)
+        outcomes = asyncio.run(scenario(address))
+        # Bounded queues say no early and clearly, or the deadline passes in a queue; nothing else.
+        assert set(outcomes) <= {"streaming", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, outcomes
+        assert outcomes["RESOURCE_EXHAUSTED"] > 0 and outcomes["streaming"] > 0, outcomes
+        wait_pools_empty(stack, 120)
+        _golden_ok(address, expected, ["image", "audio"])  # the stack serves normally again
+        # A few hundred refused and cancelled streams cost the router no lasting memory.
+        assert _rss_mib(router.pid) < before + 150, (before, _rss_mib(router.pid))
+        print(f"\nflood: {dict(outcomes)}; router RSS {before:.0f} -> {_rss_mib(router.pid):.0f} MiB")
+    finally:
+        decode.run(open_gate())
+        assert router.stop() == 0, router.log_tail()
+        decode.stop()
 
 
 @pytest.mark.timeout(180)
