@@ -1,6 +1,7 @@
 """A CACHED_ONLY hit never waits behind compute: with an encoder's compute lane full (one large
 image encoding on its engine thread, two more waiting for the one running slot), a cache-only job
-for an item it holds is answered before the running encode has finished."""
+for an item it holds is answered before the running encode has finished. The running encode holds
+the engine thread until the test has its answer (tests/support/gated.py), on any host."""
 
 from __future__ import annotations
 
@@ -44,19 +45,26 @@ def _large(seed: int) -> media_pb2.MediaItem:
     return image
 
 
+HELD = "large-"  # encode jobs that take the engine thread and keep it until the gate exists
+
+
 @pytest.mark.slow  # an encoder of its own, and ~4 s of tower work
 @pytest.mark.timeout(240)
 def test_a_cached_only_hit_never_waits_behind_compute(model_path: Path, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
     encoder = ServiceProcess(
         "encoder",
-        "services.encoder",
-        ["--model", str(model_path), "--max-running", "1", "--pool-mib", "64"],
+        "tests.support.gated",
+        [
+            *("--encodes", HELD, str(gate), "services.encoder"),
+            *("--model", str(model_path), "--max-running", "1", "--pool-mib", "64"),
+        ],
         log_path=tmp_path / "encoder.log",
     )
     encoder.start()
     try:
         encoder.wait_ready(120)
-        first, cached, large, still_running = asyncio.run(_scenario(encoder.address))
+        first, cached, large, still_running = asyncio.run(_scenario(encoder.address, gate))
     finally:
         assert encoder.stop() == 0
     assert still_running == [True, True, True]  # answered while the first large encode was running
@@ -67,6 +75,7 @@ def test_a_cached_only_hit_never_waits_behind_compute(model_path: Path, tmp_path
 
 async def _scenario(
     address: str,
+    gate: Path,
 ) -> tuple[object, object, list[object], list[bool]]:
     small = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(64, 48, seed=5))
     async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
@@ -75,7 +84,7 @@ async def _scenario(
         compute, cached_only = encoder_pb2.CACHE_POLICY_UNSPECIFIED, encoder_pb2.CACHE_POLICY_CACHED_ONLY
         (first,) = (await stub.Encode(_job("small", small, compute), timeout=60)).items  # now cached
         large = [
-            asyncio.ensure_future(stub.Encode(_job(f"large-{i}", _large(i), compute), timeout=120)) for i in range(3)
+            asyncio.ensure_future(stub.Encode(_job(f"{HELD}{i}", _large(i), compute), timeout=120)) for i in range(3)
         ]
         for _ in range(6000):  # one running on the tower, two waiting for its slot (bounded: 60 s)
             if (await stats.GetStats(stats_pb2.GetStatsRequest(), timeout=10)).requests_in_flight == 3:
@@ -85,6 +94,7 @@ async def _scenario(
             raise AssertionError("the large encodes never filled the compute lane")
         (cached,) = (await stub.Encode(_job("cached", small, cached_only), timeout=60)).items
         still_running = [not job.done() for job in large]
+        gate.touch()  # the running encode goes on to the tower
         large_items = [(await job).items[0] for job in large]
         leases = [item.embeddings.lease_id for item in (first, cached, *large_items)]
         released = await lease_pb2_grpc.LeaseServiceStub(channel).ReleaseLeases(

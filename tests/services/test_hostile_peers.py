@@ -25,8 +25,11 @@ from libs.contract.epd.v1 import (
 from libs.engine.media import synthetic
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack
+from libs.telemetry.spans import OtlpReceiver, SpanRecord
 from tests.support.golden import request_for
-from tests.support.stacks import MIXES, pool_stats, wait_pools_empty
+from tests.support.interposer import Interposer
+from tests.support.stacks import MIXES, pool_stats, wait_for, wait_pools_empty
+from tests.support.tracing import trace_spans, traced
 
 
 def _rss_mib(pid: int) -> float:
@@ -47,19 +50,27 @@ def _golden_ok(address: str, expected: dict[str, list[int]], names: list[str]) -
 @pytest.mark.stack
 @pytest.mark.timeout(240)
 def test_clients_that_never_read_hold_nothing_and_harm_no_one(
-    stacks: Callable[[str], Stack], expected: dict[str, list[int]]
+    stacks: Callable[[str], Stack], expected: dict[str, list[int]], receiver: OtlpReceiver
 ) -> None:
     stack = stacks("e/p/d")
+    trace_id, metadata = traced()  # the stalled streams' calls: the router's spans of them join this trace
 
     async def scenario() -> None:
         async with open_channel(stack.address) as stalled_channel:
             stub = generate_pb2_grpc.GenerateServiceStub(stalled_channel)
             # Open streams and read nothing: the server finishes them into its send buffers.
             stalled = [
-                stub.Generate(request_for(MIXES[name], max_tokens=64), timeout=120)
+                stub.Generate(request_for(MIXES[name], max_tokens=64), metadata=metadata, timeout=120)
                 for name in ("image", "audio", "video", "text") * 4
             ]
             await asyncio.to_thread(_golden_ok, stack.address, expected, ["image", "two_images", "audio_image"])
+
+            # The router has finished every stalled stream: its span of each call ends once it wrote
+            # the last reply (what holds before is not yet let go, whatever the host's speed).
+            def finished(spans: list[SpanRecord]) -> bool:
+                return sum(s.name == "GenerateService/Generate" for s in spans) == len(stalled)
+
+            await asyncio.to_thread(trace_spans, receiver, trace_id, finished, 120)
             # While those streams are still open and unread, every service has let their work go.
             await asyncio.to_thread(wait_pools_empty, stack, 60)
             assert all(
@@ -75,16 +86,32 @@ def test_clients_that_never_read_hold_nothing_and_harm_no_one(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_flood_of_streams_is_bounded_and_the_stack_recovers(
-    stacks: Callable[[str], Stack], expected: dict[str, list[int]]
+    stacks: Callable[[str], Stack], expected: dict[str, list[int]], tmp_path: Path
 ) -> None:
+    """A router of our own over the session stack, its decode reached through an interposer that
+    holds every Decode call until the flood has met a refusal: the admitted streams keep their
+    router slots meanwhile (prefill's token streamed, decode not begun), on any host."""
     stack = stacks("e/p/d")
-    router_pid = stack.processes["router"].pid
-    before = _rss_mib(router_pid)
+    decode = Interposer(stack.processes["decode"].address)
+    opened = asyncio.Event()  # set on the interposer's loop
+
+    async def hold(request: object) -> None:
+        await opened.wait()
+
+    async def open_gate() -> None:
+        opened.set()
+
+    decode.hooks["Decode"] = hold
+    decode.start()
+    encoders = ",".join(p.address for n, p in stack.processes.items() if n.startswith("encoder-"))
+    args = ["--encoders", encoders, "--prefill", stack.processes["prefill"].address, "--decode", decode.address]
+    router = ServiceProcess("router", "services.router", args, log_path=tmp_path / "router.log")
+    router.start()
     flood = 400  # beyond the router's 64 running + 256 waiting
 
-    async def scenario() -> Counter[str]:
+    async def scenario(address: str) -> Counter[str]:
         outcomes: Counter[str] = Counter()
-        async with open_channel(stack.address) as channel:
+        async with open_channel(address) as channel:
             stub = generate_pb2_grpc.GenerateServiceStub(channel)
             calls = [stub.Generate(request_for(MIXES["text"], max_tokens=128), timeout=60) for _ in range(flood)]
 
@@ -95,19 +122,34 @@ def test_a_flood_of_streams_is_bounded_and_the_stack_recovers(
                 except grpc.aio.AioRpcError as exc:
                     outcomes[exc.code().name] += 1
 
+            async def open_on_refusal() -> None:
+                while not outcomes["RESOURCE_EXHAUSTED"]:
+                    await asyncio.sleep(0.01)
+                await asyncio.to_thread(decode.run, open_gate())  # the held streams decode, slots cycle
+
+            opening = asyncio.ensure_future(open_on_refusal())
             await asyncio.gather(*(first_reply(c) for c in calls))
+            opening.cancel()
             for call in calls:
                 call.cancel()
         return outcomes
 
-    outcomes = asyncio.run(scenario())
-    # Bounded queues say no early and clearly, or the deadline passes in a queue; nothing else.
-    assert set(outcomes) <= {"streaming", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, outcomes
-    assert outcomes["RESOURCE_EXHAUSTED"] > 0 and outcomes["streaming"] > 0, outcomes
-    wait_pools_empty(stack, 120)
-    _golden_ok(stack.address, expected, ["image", "audio"])  # the stack serves normally again
-    # A few hundred refused and cancelled streams cost the router no lasting memory.
-    assert _rss_mib(router_pid) < before + 150, (before, _rss_mib(router_pid))
+    try:
+        address = router.wait_ready(60)
+        before = _rss_mib(router.pid)
+        outcomes = asyncio.run(scenario(address))
+        # Bounded queues say no early and clearly, or the deadline passes in a queue; nothing else.
+        assert set(outcomes) <= {"streaming", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, outcomes
+        assert outcomes["RESOURCE_EXHAUSTED"] > 0 and outcomes["streaming"] > 0, outcomes
+        wait_pools_empty(stack, 120)
+        _golden_ok(address, expected, ["image", "audio"])  # the stack serves normally again
+        # A few hundred refused and cancelled streams cost the router no lasting memory.
+        assert _rss_mib(router.pid) < before + 150, (before, _rss_mib(router.pid))
+        print(f"\nflood: {dict(outcomes)}; router RSS {before:.0f} -> {_rss_mib(router.pid):.0f} MiB")
+    finally:
+        decode.run(open_gate())
+        assert router.stop() == 0, router.log_tail()
+        decode.stop()
 
 
 @pytest.mark.integration
@@ -122,10 +164,11 @@ def test_handles_never_read_are_reclaimed_at_lease_expiry(model_path: Path, tmp_
     encoder.start()
     try:
         address = encoder.wait_ready(120)
+        leases = []
         with grpc.insecure_channel(address) as channel:
             stub = encoder_pb2_grpc.EncoderServiceStub(channel)
             for i in range(6):  # a consumer that takes handles and never reads or acks them
-                stub.Encode(
+                reply = stub.Encode(
                     encoder_pb2.EncodeRequest(
                         request_id=f"orphan-{i}",
                         items=[
@@ -140,13 +183,12 @@ def test_handles_never_read_are_reclaimed_at_lease_expiry(model_path: Path, tmp_
                     ),
                     timeout=60,
                 )
-        held = pool_stats(address).pool
-        assert held.active_leases == 6 and held.slots_in_use == 6
-        deadline = time.monotonic() + 30
-        while pool_stats(address).pool.active_leases and time.monotonic() < deadline:
-            time.sleep(0.2)
+                leases.append(reply.items[0].embeddings.lease_id)
+        assert len(set(leases)) == 6 and all(leases)  # six handles, each holding a slot under a lease
+        # Each reclaimed at its expiry (the encoder counts it), however long the six encodes took.
+        wait_for(lambda: pool_stats(address).pool.expired_leases == 6, 60, "the six leases' expiry")
         after = pool_stats(address).pool
-        assert (after.active_leases, after.slots_in_use) == (0, 0)
+        assert (after.active_leases, after.slots_in_use, after.acked_leases, after.released_leases) == (0, 0, 0, 0)
     finally:
         assert encoder.stop() == 0, encoder.log_tail()
 

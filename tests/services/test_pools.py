@@ -9,20 +9,23 @@ reads its prefills and decodes from watched files (`--prefill file:///...`, `--d
 Who did the work is read from each service's own stage counters (Prometheus): the `prefill` stage
 on a prefill, the `kv.transfer` span on a decode (one per request it decoded). One stack (an
 encoder, two prefills, two decodes, the router) serves the module; each test writes the files it
-needs first, and the drain test, which stops members, runs last."""
+needs first, and the drain test, which stops members, runs last. There the drained prefill holds a
+KV cache no decode has read yet, so it drains (refusing work) until the test has seen the router's
+picks of both leaving members refused and has taken them out of the files, on any host."""
 
 from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
+from libs.contract.epd.v1 import lease_pb2, lease_pb2_grpc, prefill_pb2, prefill_pb2_grpc, tensor_pb2
 from libs.engine.encoder_runner import EncoderRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.launch.process import ServiceProcess, free_port
@@ -43,7 +46,8 @@ class Member:
     def __init__(self, name: str, role: str, model: Path, run_dir: Path) -> None:
         self.role = role
         self.metrics_port = free_port()
-        args = ["--model", str(model), "--pool-mib", "32", "--metrics-port", str(self.metrics_port), "--grace-s", "15"]
+        # A drain waits for the KV cache the test holds until it lets it go (within the grace).
+        args = ["--model", str(model), "--pool-mib", "32", "--metrics-port", str(self.metrics_port), "--grace-s", "120"]
         self.process = ServiceProcess(name, f"services.{role}", args, log_path=run_dir / f"{name}.log")
         self.process.start()
 
@@ -95,6 +99,38 @@ def _members(router: ServiceProcess, path: Path) -> set[str]:
             event = json.loads(line)
             members = (members | set(event["added"])) - set(event["removed"])
     return members
+
+
+def _refused(router: ServiceProcess, stage: str, member: str) -> bool:
+    """Whether the router logged a call to `member` of `stage` refused, or `member` unusable (and
+    tried another member)."""
+    events = {f"{stage} refused; trying another", f"{stage} not usable; trying another"}
+    for line in router.log_tail(2000).splitlines():
+        if f'"{stage} ' in line and '"member"' in line:
+            event = json.loads(line)
+            if event["event"] in events and event["member"] == member:
+                return True
+    return False
+
+
+def _held_kv(prefill: str) -> str:
+    """A prefill at `prefill` whose KV cache no decode reads (as one yet to read it): its lease."""
+    request = prefill_pb2.PrefillRequest(
+        request_id="held",
+        messages=request_for(MIXES["text"]).messages,
+        accepted_kv_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+    )
+    request.sampling.max_tokens = 8
+    with grpc.insecure_channel(prefill) as channel:
+        reply = prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(request, timeout=60)
+    assert reply.HasField("kv_cache"), reply
+    return str(reply.kv_cache.handle.lease_id)
+
+
+def _release(producer: str, lease_id: str) -> None:
+    request = lease_pb2.ReleaseLeasesRequest(lease_ids=[lease_id], reason=lease_pb2.RELEASE_REASON_ABANDONED)
+    with grpc.insecure_channel(producer) as channel:
+        lease_pb2_grpc.LeaseServiceStub(channel).ReleaseLeases(request, timeout=10)
 
 
 def _golden(model_path: Path) -> dict[str, list[int]]:
@@ -209,16 +245,21 @@ def test_a_prefill_and_a_decode_drained_and_removed_under_load_lose_no_request(p
     try:
         wait_for(lambda: load.done >= 6, 90, "load running")
         before = pools.counts()
+        held = _held_kv(leave_p.address)  # the prefill's drain waits for it to be read or released
         stoppers = [
-            threading.Thread(target=lambda m=m: statuses.append(m.process.stop(timeout_s=60)))
+            threading.Thread(target=lambda m=m: statuses.append(m.process.stop(timeout_s=180)))
             for m in (leave_p, leave_d)
         ]
         for stopper in stoppers:
             stopper.start()
-        time.sleep(1.0)  # the router still lists them: its picks get UNAVAILABLE "draining", retried
+        # The router still lists them: its picks get UNAVAILABLE ("draining", or the decode gone
+        # once its drain is over), retried on the other member.
+        for stage, member in (("prefill", leave_p), ("decode", leave_d)):
+            wait_for(lambda s=stage, m=member: _refused(pools.router, s, m.address), 90, f"a {stage} pick refused")
         pools.members([keep_p], [keep_d])
+        _release(leave_p.address, held)
         for stopper in stoppers:
-            stopper.join(90)
+            stopper.join(180)
         done_at_exit = load.done
         wait_for(lambda: load.done >= done_at_exit + 6, 90, "load continuing on the remaining members")
     finally:

@@ -1,23 +1,25 @@
-"""Priority ordering under real load: a colocated service (the session stack) with every running
-slot taken by streaming requests queues four more; as one slot cycles, they are served highest
-priority first, equal priorities in arrival order."""
+"""Priority ordering under real load: a colocated service with every running slot taken by
+streaming requests queues four more; as one slot cycles, they are served highest priority first,
+equal priorities in arrival order. The fillers hold their slots until cancelled, on any host: their
+streams wait before their decode at a gate that never opens (tests/support/gated.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from libs.client.generate import build_request, open_channel
 from libs.contract.epd.v1 import generate_pb2_grpc, sampling_pb2, stats_pb2, stats_pb2_grpc
-from libs.launch.stack import Stack
-from tests.support.stacks import wait_pools_empty
+from libs.launch.process import ServiceProcess
+from tests.support.stacks import pool_stats, wait_for
 
 pytestmark = pytest.mark.stack
 
 SLOTS = 8  # the colocated service admits min(max_running 16, max_batch 8) requests at once
 ARRIVALS = [("low-1", -10), ("low-2", -10), ("high", 50), ("default", 0)]
+HELD = "filler-"  # request ids whose streams wait at the gate, after prefill's token
 
 
 async def _served_order(address: str) -> list[str]:
@@ -36,14 +38,14 @@ async def _served_order(address: str) -> list[str]:
             raise AssertionError(f"never {n} requests in flight (now {await in_flight()})")
 
         await until_in_flight(0)
-        endless = sampling_pb2.SamplingParams(max_tokens=4096)
+        held = sampling_pb2.SamplingParams(max_tokens=16)  # ends only once its gate opens: never
         fillers = [
-            stub.Generate(build_request("Count forever.", sampling=endless, request_id=f"filler-{i}"), timeout=120)
+            stub.Generate(build_request("Count forever.", sampling=held, request_id=f"{HELD}{i}"), timeout=120)
             for i in range(SLOTS)
         ]
         try:
             for call in fillers:
-                await call.read()  # streaming: it holds its slot
+                await call.read()  # prefill's token; then it waits at the gate, holding its slot
             order: list[str] = []
 
             async def queued(name: str, priority: int) -> None:
@@ -69,7 +71,15 @@ async def _served_order(address: str) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_waiting_requests_are_served_by_priority_then_arrival(stacks: Callable[[str], Stack]) -> None:
-    stack = stacks("colocated")
-    assert asyncio.run(_served_order(stack.address)) == ["high", "default", "low-1", "low-2"]
-    wait_pools_empty(stack)
+def test_waiting_requests_are_served_by_priority_then_arrival(model_path: Path, tmp_path: Path) -> None:
+    gate = ["--streams", HELD, str(tmp_path / "never"), "services.colocated"]  # tests/support/gated.py
+    service = ServiceProcess(
+        "colocated", "tests.support.gated", [*gate, "--model", str(model_path)], log_path=tmp_path / "colocated.log"
+    )
+    service.start()
+    try:
+        service.wait_ready(120)
+        assert asyncio.run(_served_order(service.address)) == ["high", "default", "low-1", "low-2"]
+        wait_for(lambda: pool_stats(service.address).requests_in_flight == 0, 30, "every slot given back")
+    finally:
+        assert service.stop() == 0, service.log_tail()

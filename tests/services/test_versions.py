@@ -21,7 +21,7 @@ from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
 from libs.launch.process import ROOT, ServiceProcess, free_port
 from tests.support.golden import request_for
 from tests.support.release_tree import release_checkout
-from tests.support.stacks import MIXES
+from tests.support.stacks import MIXES, wait_for
 
 pytestmark = pytest.mark.stack
 
@@ -196,11 +196,16 @@ def test_rolling_upgrade_under_load(
     log: list[str] = []
     marks: list[float] = []  # monotonic instants: each stopped process gone, each replacement ready
 
+    def served_since(instant: float) -> bool:
+        return any(begun > instant for begun, _ in spans[:])
+
     def replace_each(label: str) -> None:
         # The router first (docs/contract-evolution.md): from then on a router of this release covers
         # the restarts behind it, including a decode restart that outlives prefill's KV lease.
         for name in UPGRADE_ORDER:  # one at a time: drain the running process, start its replacement on its port
-            time.sleep(1.0)
+            # The stack serves again (the last replacement too): a request sent since it was ready is done.
+            since = marks[-1] if marks else 0.0
+            wait_for(lambda s=since: served_since(s), 300, f"a request served before {label} {name}")
             status = running[name].stop(timeout_s=90)
             log.append(f"{label} {name}: stopped {status}")
             marks.append(time.monotonic())
@@ -214,6 +219,9 @@ def test_rolling_upgrade_under_load(
         try:
             replace_each("1.0->current")  # the upgrade: old drain code, new services
             replace_each("current->current")  # a restart of the new release: the current drain code
+        except Exception as exc:
+            log.append(f"failed: {exc}")  # shown by the log's check below
+            raise
         finally:
             upgraded.set()
 
@@ -229,8 +237,9 @@ def test_rolling_upgrade_under_load(
 
             async def worker() -> None:
                 nonlocal sent
-                # Until the whole upgrade is done (and 24 requests at least); bounded in count and time.
-                while (not upgraded.is_set() or sent < 24) and sent < 50_000 and time.monotonic() - started < 900:
+                # Until the whole upgrade is done (and 24 requests at least), whatever the count; the
+                # time bound only stops a hung upgrade (checked below).
+                while (not upgraded.is_set() or sent < 24) and time.monotonic() - started < 900:
                     name = plan[sent % len(plan)]
                     sent += 1
                     request = request_for(MIXES[name])
@@ -249,6 +258,7 @@ def test_rolling_upgrade_under_load(
     final: dict[str, int | None] = {}
     try:
         outcomes, sent = asyncio.run(load())
+        load_ended = time.monotonic()
     finally:
         thread.join(300)
         final = {name: process.stop() for name, process in running.items()}
@@ -262,6 +272,7 @@ def test_rolling_upgrade_under_load(
     failed = [(n, o) for n, o in outcomes if isinstance(o, str)]
     assert not failed, failed[:5]
     assert len(outcomes) == sent >= 24
+    assert marks[-1] < load_ended, "the load stopped (its time bound) before the upgrade was done"
     # The load ran through every step: requests were in flight while each process was replaced.
     for gone, ready in zip(marks[::2], marks[1::2], strict=True):
         assert any(begun < ready and done > gone for begun, done in spans), (gone, ready)
