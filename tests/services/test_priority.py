@@ -15,7 +15,7 @@ from libs.contract.epd.v1 import generate_pb2_grpc, sampling_pb2, stats_pb2, sta
 from libs.launch.process import ServiceProcess
 from tests.support.stacks import pool_stats, wait_for
 
-pytestmark = pytest.mark.stack
+pytestmark = pytest.mark.integration  # one colocated service of its own
 
 SLOTS = 8  # the colocated service admits min(max_running 16, max_batch 8) requests at once
 ARRIVALS = [("low-1", -10), ("low-2", -10), ("high", 50), ("default", 0)]
