@@ -65,7 +65,7 @@ class StackSpec:
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service name
     # Per service name, a module (and its arguments) the service is run through, as
     # `python -m WRAPPER ARGS... MODULE SERVICE_ARGS...`: a test harness that forces a fault inside
-    # an unchanged service (tests/support/held_encode.py holds an encoder's calls until it dies).
+    # an unchanged service (tests/support/gated.py holds a service's work at gates a test opens).
     run_through: dict[str, list[str]] = field(default_factory=dict)
     ready_timeout_s: float = 120.0
 

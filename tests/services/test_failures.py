@@ -362,14 +362,16 @@ def doomed_stack(
     receiver: OtlpReceiver,
 ) -> Iterator[Stack]:
     """A stack of its own per layout with two encoders, one of which this module's test kills:
-    encoder-0 holds every Encode call of the test's requests (ids "kill-...") until it dies."""
+    encoder-0 holds the tower work of the test's requests (ids "kill-...") at a gate that never
+    opens (tests/support/gated.py), so they are in flight there until it dies."""
+    run_dir = tmp_path_factory.mktemp("doomed")
     spec = StackSpec(
         layout=request.param,
         encoders=2,
         model=model_path,
-        run_dir=tmp_path_factory.mktemp("doomed"),
+        run_dir=run_dir,
         env=tracing_env(receiver),
-        run_through={"encoder-0": ["tests.support.held_encode", "kill-"]},
+        run_through={"encoder-0": ["tests.support.gated", "--encodes", "kill-", str(run_dir / "never")]},
     )
     stack = Stack(spec)
     stack.up()
