@@ -135,8 +135,8 @@ def test_colocated_drains_in_flight_requests_and_refuses_new_ones(model_path: Pa
     try:
         service.wait_ready(120)
         names = ["image", "audio", "text"]
-        refused = partial(_probe_until_refused, service.address, _generate_one_token)
-        results, probes = asyncio.run(_drained(service.address, service, names, gate, refused))
+        probe = partial(_probe_until_refused, service.address, _generate_one_token)
+        results, probes = asyncio.run(_drained(service.address, service, names, gate, probe))
         assert service.process is not None
         assert service.process.wait(120) == 0  # exits by itself once drained, cleanly
     finally:
@@ -170,8 +170,8 @@ def test_pd_drains_in_flight_requests(stacks: Callable[[str], Stack], model_path
         router.start()
         router.wait_ready(60)
         names = ["two_images", "audio_image", "video"]
-        refused = partial(_probe_until_refused, pd.address, _prefill_decode_one_token)  # at the PD itself
-        results, probes = asyncio.run(_drained(router.address, pd, names, gate, refused))
+        probe = partial(_probe_until_refused, pd.address, _prefill_decode_one_token)  # at the PD itself
+        results, probes = asyncio.run(_drained(router.address, pd, names, gate, probe))
         assert pd.process is not None
         assert pd.process.wait(120) == 0
     finally:
@@ -179,8 +179,8 @@ def test_pd_drains_in_flight_requests(stacks: Callable[[str], Stack], model_path
             assert router.stop() == 0
         pd.stop()
     _check_finished(results)
-    *admitted, refused_one = probes
-    assert set(admitted) <= {"OK"} and refused_one.startswith("UNAVAILABLE: ") and "draining" in refused_one, probes
+    *admitted, refused = probes
+    assert set(admitted) <= {"OK"} and refused.startswith("UNAVAILABLE: ") and "draining" in refused, probes
     wait_pools_empty(stack)  # the drained PD read (and acked) every embedding it was sent
 
 

@@ -54,7 +54,7 @@ def hold_streams(prefix: str, gate: Path) -> None:
     async def held(self: DecodeLoop, request_id: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         if request_id.startswith(prefix):
             await _opened(gate)
-        async with contextlib.aclosing(stream(self, request_id, *args, **kwargs)) as chunks:
+        async with contextlib.aclosing(stream(self, request_id, *args, **kwargs)) as chunks:  # type: ignore[type-var]
             async for chunk in chunks:
                 yield chunk
 
@@ -67,19 +67,19 @@ def hold_encodes(prefix: str, gate: Path) -> None:
     import services.encoder.core as core
 
     job: contextvars.ContextVar[str] = contextvars.ContextVar("gated_job", default="")
-    encode, encode_items = core.EncoderCore.encode, core.encode_items
+    encode, encode_items = core.EncoderCore.encode, core.encode_items  # type: ignore[attr-defined]
 
     async def encode_job(self: Any, request: Any) -> Any:
         job.set(request.request_id)  # this task's context: the compute below runs in it
         return await encode(self, request)
 
-    async def held_items(engine: Any, runner: Any, media: Any) -> Any:
+    async def held_items(engine: Any, runner: Any, media: Any, *args: Any, **kwargs: Any) -> Any:
         if job.get().startswith(prefix):
             await engine.run(_wait_blocking, gate)
-        return await encode_items(engine, runner, media)
+        return await encode_items(engine, runner, media, *args, **kwargs)
 
     core.EncoderCore.encode = encode_job  # type: ignore[method-assign]
-    core.encode_items = held_items  # type: ignore[assignment]
+    core.encode_items = held_items  # type: ignore[attr-defined]
 
 
 def hold_stop(gate: Path) -> None:
