@@ -152,24 +152,43 @@ def test_closed_loop_keeps_n_in_flight_and_stops_at_the_count() -> None:
 
 
 def test_closed_loop_stops_at_the_duration() -> None:
-    server = FakeServer(0.05)
-    records = asyncio.run(run_load(server, _plan(1000), LoadConfig(mode="closed", concurrency=2, duration_s=0.3)))
-    # 2 clients x 0.3 s / 0.05 s = 12, plus the ones running at the end: at most 16 (each request takes
-    # 0.05 s at least), and a run that ignored the duration would send the whole plan (1000). The lower
-    # bound is loose: a loaded host stretches every sleep, so fewer fit in the 0.3 s.
-    assert 4 <= len(records) <= 16
+    # The run's clock is moved by the work served, not by the host: each request takes 0.05 s of it,
+    # two at a time (2 clients), so the 0.3 s duration is what the requests done make it.
+    served = 0
+
+    async def send(planned: PlannedRequest, record: RequestRecord) -> None:
+        nonlocal served
+        await asyncio.sleep(0)  # the other client's turn
+        served += 1
+        record.tokens = 1
+
+    config = LoadConfig(mode="closed", concurrency=2, duration_s=0.3)
+    records = asyncio.run(run_load(send, _plan(1000), config, clock=lambda: served * 0.05 / 2))
+    # 2 clients x 0.3 s / 0.05 s = 12 served within the duration, plus the other client's request
+    # started at 0.275 s; a run that ignored the duration would send the whole plan (1000).
+    assert len(records) == 13 and all(r.start_s < 0.3 for r in records)
 
 
 def test_open_loop_sends_on_schedule_whatever_the_server_does() -> None:
     server = FakeServer(0.2, servers=1)  # slower than arrivals: an open loop still sends them all
     config = LoadConfig(mode="open", rate_per_s=100.0, duration_s=0.2, max_requests=1000, seed=4)
-    records = asyncio.run(run_load(server, _plan(1000), config))
     expected = len(poisson_arrivals(100.0, count=1000, duration_s=0.2, seed=4))
-    assert len(records) == expected and server.peak > 5
+    sent: list[str] = []
+    all_sent = asyncio.Event()
+
+    async def held(planned: PlannedRequest, record: RequestRecord) -> None:
+        # No request is answered before the last one is sent: a loop whose sends waited for the
+        # server would never send it (bounded below), whatever the host's speed.
+        sent.append(planned.request.request_id)
+        if len(sent) == expected:
+            all_sent.set()
+        await all_sent.wait()
+        await server(planned, record)
+
+    records = asyncio.run(asyncio.wait_for(run_load(held, _plan(1000), config), 120))
+    assert len(records) == expected and server.peak == expected  # all in flight at once
     starts = [r.start_s for r in records]
-    # On schedule, not after the server: sends waiting for the one server (0.2 s each) would spread
-    # over ~(count - 1) x 0.2 s, seconds; the schedule ends at 0.2 s (generous for a loaded host).
-    assert expected >= 10 and starts == sorted(starts) and starts[-1] < 1.0
+    assert expected >= 10 and starts == sorted(starts)  # sent in schedule order
     ttfts = [r.e2e_s for r in records]
     assert max(ttfts) > 1.0  # they queued at the one server: latency grows, as it should
 

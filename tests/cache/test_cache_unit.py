@@ -29,17 +29,20 @@ def new_cache(store: FakeStore | None, metrics: Metrics, **config: int) -> Encod
 
 
 class Computer:
-    """A compute callback that counts calls and can be held back or made to fail."""
+    """A compute callback that counts calls and can be held back (`started` once it runs, held
+    until `gate` is set) or made to fail."""
 
     def __init__(self, entry: CacheEntry, *, fail: Exception | None = None) -> None:
         self.entry = entry
         self.fail = fail
         self.calls = 0
+        self.started = asyncio.Event()
         self.gate = asyncio.Event()
         self.gate.set()
 
     async def __call__(self) -> CacheEntry:
         self.calls += 1
+        self.started.set()
         await self.gate.wait()
         await asyncio.sleep(0.01)
         if self.fail is not None:
@@ -80,7 +83,7 @@ def test_sixteen_concurrent_callers_share_one_compute(metrics: Metrics) -> None:
     async def run() -> list[tuple[Source, bool]]:
         compute.gate.clear()
         tasks = [asyncio.ensure_future(cache.get_or_compute(key, compute)) for _ in range(16)]
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(compute.started.wait(), 10)  # the flight computes; every caller joined it first
         compute.gate.set()
         results = await asyncio.gather(*tasks)
         assert all(r.entry is entry for r in results)
@@ -124,7 +127,7 @@ def test_a_cancelled_caller_does_not_cancel_the_shared_compute(metrics: Metrics)
         compute.gate.clear()
         first = asyncio.ensure_future(cache.get_or_compute(key, compute))
         second = asyncio.ensure_future(cache.get_or_compute(key, compute))
-        await asyncio.sleep(0.02)
+        await asyncio.wait_for(compute.started.wait(), 10)  # the shared compute is under way, held
         first.cancel()  # the client of the request that started the flight went away
         compute.gate.set()
         assert (await second).entry is entry
@@ -275,9 +278,9 @@ def test_load_only_and_computing_callers_share_flights(metrics: Metrics) -> None
     async def joins_a_computing_flight() -> None:
         compute.gate.clear()
         computing = asyncio.ensure_future(cache.get_or_compute(key, compute))
-        await asyncio.sleep(0.01)
+        await asyncio.wait_for(compute.started.wait(), 10)  # its flight computes, held
         loading = asyncio.ensure_future(cache.get_or_load(key))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # one turn: the load joins the flight at its first step (no await before)
         compute.gate.set()
         loaded = await loading
         assert loaded is not None and loaded.entry is entry and loaded.shared

@@ -29,7 +29,11 @@ def vllm_epd_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) ->
         engine="vllm",
         # --grace-s: the drain test's streams finish within it. Chunks of 16 prompt tokens: requests
         # served together prefill their multimodal prompts in several steps, across the items.
-        extra_args={"pd": ["--grace-s", "120", "--prefill-chunk-tokens", "16"]},
+        # --lease-ttl-s: the drain test's embeddings wait for a stopped engine (frozen_engine).
+        extra_args={
+            "pd": ["--grace-s", "120", "--prefill-chunk-tokens", "16"],
+            "encoder-0": ["--lease-ttl-s", "300"],
+        },
         ready_timeout_s=420.0,
     )
     with Stack(spec).running() as stack:

@@ -37,6 +37,7 @@ from tests.support.vllm_stack import (
     TokenStream,
     call,
     call_prefill,
+    frozen_engine,
     handoff,
     mixes,
     probe_until_refused,
@@ -47,18 +48,17 @@ from tests.support.vllm_stack import (
     stage_kinds,
     stats,
     until_draining,
+    until_in_flight,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
-# Through the router when prefill gets its signal, started in this order, each once the one before
-# streams (started together, the text stream once finished before the audio stream had its first
-# token): the signal comes with the last one's first token.
+# Through the router when prefill gets its signal: each has its first token (prefill's), and decode's
+# engine is stopped (frozen_engine), so none can go further, nor decode read their KV blocks, until
+# the test thaws it after the signal and the probes, on a fast host as on a slow one.
 STREAMED = ["audio", "image", "text"]
 HANDOFFS = 2  # KV handoffs prefill holds for decode at its signal
-# Done well within the grace period: 1024 tokens take ~7-20 s here; at the signal the earlier
-# streams had 12-273 of them in three runs of four on a loaded host.
-TOKENS = 1024
+TOKENS = 64  # each stream's and handoff's tokens, compared with their undisturbed runs
 GRACE = ["--grace-s", "240"]
 METRICS = {"prefill": free_port(), "decode": free_port()}  # their Prometheus ports
 
@@ -109,24 +109,25 @@ def _signal(process: ServiceProcess) -> None:
 
 
 async def _prefill_drains(stack: Stack) -> dict[str, object]:
-    """Streams through the router, one after another; once each has a token, SIGTERM the prefill
-    and probe it."""
+    """Streams through the router, decode's engine stopped; once each has its first token, SIGTERM
+    the prefill and probe it; then thaw decode."""
     prefill = stack.processes["prefill"]
     async with open_channel(stack.address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
-        streams, done = [], []
-        for name in STREAMED:
-            streams.append(TokenStream(stub.Generate(request(MIXES[name], max_tokens=TOKENS), timeout=300)))
-            done.append(asyncio.ensure_future(streams[-1].run()))
-            await asyncio.wait_for(streams[-1].first.wait(), 120)
-        _signal(prefill)
-        at_signal = [len(s.tokens) for s in streams]
-        # The last stream has just begun; an earlier one may have finished on a loaded host ([1024,
-        # 3, 1] once: the image's first token came after all of the audio's tokens).
-        assert at_signal[-1] < TOKENS, at_signal
-        await until_draining(prefill.address)
-        probes = await probe_until_refused(lambda: call_prefill(prefill.address, _prefill_request(99, max_tokens=1)))
-        finished = await asyncio.gather(*done)
+        with frozen_engine(stack.processes["decode"]) as thaw:
+            streams = [TokenStream(stub.Generate(request(MIXES[n], max_tokens=TOKENS), timeout=300)) for n in STREAMED]
+            done = [asyncio.ensure_future(s.run()) for s in streams]
+            await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 120)
+            _signal(prefill)
+            at_signal = [len(s.tokens) for s in streams]
+            await until_draining(prefill.address)
+            probes = await probe_until_refused(
+                lambda: call_prefill(prefill.address, _prefill_request(99, max_tokens=1))
+            )
+            # Their KV blocks as well as the handoffs', unread while decode's engine is stopped.
+            held = (await stats(prefill.address)).pool.active_leases
+            thaw()
+            finished = await asyncio.gather(*done)
     # The streams are done, their KV leases released once decode's reads are acknowledged (which
     # lags the last token); the handoffs are not read yet: prefill must still hold exactly theirs.
     for _ in range(300):  # bounded: 30 s
@@ -134,31 +135,33 @@ async def _prefill_drains(stack: Stack) -> dict[str, object]:
         if leases == HANDOFFS:
             break
         await asyncio.sleep(0.1)
-    return {"probes": probes, "finished": finished, "leases": leases}
+    return {"probes": probes, "finished": finished, "leases": leases, "at_signal": at_signal, "held": held}
 
 
 async def _decode_drains(
     stack: Stack, reqs: list[prefill_pb2.PrefillRequest], handoffs: list[prefill_pb2.PrefillResponse]
 ) -> dict[str, object]:
-    """Decode the held handoffs; once each streams, SIGTERM the decode and probe it."""
+    """Decode the held handoffs, its engine stopped; once it has admitted them, SIGTERM the decode
+    and probe it; then thaw its engine: they stream during the drain."""
     decode = stack.processes["decode"]
     async with open_channel(decode.address) as channel:
         stub = decode_pb2_grpc.DecodeServiceStub(channel)
-        streams = [
-            TokenStream(stub.Decode(handoff(req, first), timeout=300))
-            for req, first in zip(reqs, handoffs, strict=True)
-        ]
-        done = [asyncio.ensure_future(s.run()) for s in streams]
-        await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 120)
-        _signal(decode)
-        at_signal = [len(s.tokens) for s in streams]
-        assert all(n < TOKENS - 1 for n in at_signal), at_signal  # in flight at the signal
-        await until_draining(decode.address)
-        # Admission refuses before anything reads the request: an empty one is enough.
-        empty = decode_pb2.DecodeRequest()
-        probes = await probe_until_refused(lambda: TokenStream(stub.Decode(empty, timeout=30)).run())
-        finished = await asyncio.gather(*done)
-    return {"probes": probes, "finished": finished}
+        with frozen_engine(decode) as thaw:
+            streams = [
+                TokenStream(stub.Decode(handoff(req, first), timeout=300))
+                for req, first in zip(reqs, handoffs, strict=True)
+            ]
+            done = [asyncio.ensure_future(s.run()) for s in streams]
+            await until_in_flight(decode.address, len(streams))
+            _signal(decode)
+            at_signal = (await stats(decode.address)).requests_in_flight
+            await until_draining(decode.address)
+            # Admission refuses before anything reads the request: an empty one is enough.
+            empty = decode_pb2.DecodeRequest()
+            probes = await probe_until_refused(lambda: TokenStream(stub.Decode(empty, timeout=30)).run())
+            thaw()
+            finished = await asyncio.gather(*done)
+    return {"probes": probes, "finished": finished, "at_signal": at_signal}
 
 
 def test_prefill_and_decode_export_the_reference_metrics_and_vllms(stack: Stack) -> None:
@@ -194,12 +197,15 @@ def test_prefill_then_decode_drain_with_streams_and_held_kv_blocks(stack: Stack)
     assert all(h.kv_cache.HasField("paged") for h in handoffs)
 
     first = asyncio.run(_prefill_drains(stack))
+    assert first["at_signal"] == [1] * len(STREAMED)  # in flight at the signal: prefill's token only
+    assert first["held"] == HANDOFFS + len(STREAMED)  # the streams' KV blocks, unread, in the drain too
     assert first["finished"] == [streamed[n] for n in STREAMED]  # every token, as undisturbed
     _refused_draining(first["probes"])
     assert first["leases"] == HANDOFFS  # the unread handoffs count in the drain
     assert prefill.alive(), prefill.log_tail()  # ... so it waits for them
 
     second = asyncio.run(_decode_drains(stack, reqs, handoffs))
+    assert second["at_signal"] == HANDOFFS  # in flight at the signal (held by the stopped engine)
     # Prefill streamed each handoff's first token; decode streams the rest, every one of them.
     assert [list(h.first_chunk.token_ids) + t for h, t in zip(handoffs, second["finished"], strict=True)] == handed
     _refused_draining(second["probes"])

@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,23 +29,27 @@ from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.server import open_channel
 from tests.support.vllm_stack import (
     TokenStream,
+    frozen_engine,
     probe_until_refused,
     sample_values,
     scrape,
     stage_kinds,
     stats,
     until_draining,
+    until_in_flight,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ADMITTED = 6  # the filler and the requests queued behind it, all inside vLLM
-# Sent together behind the filler: distinct priorities, so the order is vLLM's by priority alone
-# (the filler, at most ~4000 tokens, can end within a second on a fast host: no time to queue them
-# one at a time).
+# Sent together behind the filler: distinct priorities, so the order is vLLM's by priority alone.
 ARRIVALS = [("low-1", -10), ("low-2", -20), ("high", 50), ("default", 0)]
-# Each request of the drain test: the two waiting behind the running one outlast the probes that
-# follow the signal even on a fast host (one run of 512 drained before the first probe).
-DRAINED_TOKENS = 2000
+# The filler holds vLLM's one running slot while the four queue behind it. It and then they reach
+# vLLM while its engine is stopped (frozen_engine): the filler first, at the highest priority, so it
+# takes the slot once the engine runs, and it cannot end before they are queued, however fast the
+# engine (the longest request there is, the contract's max_tokens).
+FILLER = ("filler", "Count forever.")
+FILLER_TOKENS, FILLER_PRIORITY = 4096, 100
+DRAINED_TOKENS = 64  # each request of the drain test, compared with its undisturbed run
 
 
 class PdService:
@@ -67,6 +72,7 @@ def pd(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pd
     port = free_port()
     args = ["--engine", "vllm", "--model", str(omni_tiny), "--max-batch", "1", "--max-running", str(ADMITTED)]
     args += ["--metrics-port", str(port), "--grace-s", "240"]
+    args += ["--max-model-len", "8192"]  # the filler's prompt and the longest max_tokens (4096)
     process = ServiceProcess("pd", "services.pd", args, log_path=tmp_path_factory.mktemp("vllm-pd") / "pd.log")
     process.start()
     try:
@@ -109,39 +115,60 @@ def test_metrics_are_the_reference_services_and_vllms_own(pd: PdService) -> None
 async def _served_order(pd: PdService) -> list[str]:
     async with open_channel(pd.address) as channel:
         stub = prefill_decode_pb2_grpc.PrefillDecodeServiceStub(channel)
+        order: list[str] = []
+        tasks: list[asyncio.Future[Any]] = []
+        calls: list[Any] = []
 
-        async def until_waiting_in_vllm(n: int) -> None:
-            for _ in range(3000):  # bounded: the gauge moves at every engine step (the filler's)
-                if await asyncio.to_thread(pd.gauge, "vllm:num_requests_waiting") == n:
+        def stream(name: str, text: str, max_tokens: int, priority: int) -> TokenStream:
+            call = stub.PrefillDecode(_request(name, text, max_tokens, priority), timeout=240)
+            calls.append(call)
+            return TokenStream(call)
+
+        async def queued(name: str, priority: int) -> None:
+            tokens = stream(name, "Say something.", 4, priority)
+            running = asyncio.ensure_future(tokens.run())
+            await tokens.first.wait()
+            order.append(name)  # its first token: vLLM scheduled it
+            await running
+
+        async def until_waiting_in_vllm(n: int, filling: asyncio.Future[Any]) -> None:
+            """Until `n` wait in vLLM (the gauge moves at every engine step, the filler's), or the
+            filler ended by itself: they were all queued behind it by then (bounded)."""
+            for _ in range(3000):
+                if filling.done() or await asyncio.to_thread(pd.gauge, "vllm:num_requests_waiting") == n:
                     return
                 await asyncio.sleep(0.01)
             raise AssertionError(f"never {n} requests waiting in vLLM")
 
-        filler = TokenStream(stub.PrefillDecode(_request("filler", "Count forever.", 4000), timeout=240))
-        filling = asyncio.ensure_future(filler.run())
-        await asyncio.wait_for(filler.first.wait(), 120)  # it holds vLLM's only running slot
-        order: list[str] = []
-
-        async def queued(name: str, priority: int) -> None:
-            stream = TokenStream(stub.PrefillDecode(_request(name, "Say something.", 4, priority), timeout=240))
-            running = asyncio.ensure_future(stream.run())
-            await stream.first.wait()
-            order.append(name)  # its first token: vLLM scheduled it
-            await running
-
-        waiting = []
         try:
-            waiting = [asyncio.ensure_future(queued(name, priority)) for name, priority in ARRIVALS]
-            await until_waiting_in_vllm(len(ARRIVALS))
-            assert order == []  # all four wait inside vLLM (admission let them in)
+            with frozen_engine(pd.process):
+                filler = stream(*FILLER, FILLER_TOKENS, FILLER_PRIORITY)
+                filling = asyncio.ensure_future(filler.run())
+                tasks.append(filling)
+                await until_active(pd.address, 1)  # handed to vLLM's client (sent on before the rest)
+                tasks += [asyncio.ensure_future(queued(name, priority)) for name, priority in ARRIVALS]
+                await until_in_flight(pd.address, 1 + len(ARRIVALS))  # admitted by the service
+                await until_active(pd.address, 1 + len(ARRIVALS))  # and handed to vLLM's client
+            await asyncio.wait_for(filler.first.wait(), 120)  # it holds vLLM's only running slot
+            await until_waiting_in_vllm(len(ARRIVALS), filling)
+            assert filling.done() or order == []  # all four wait inside vLLM (admission let them in)
             filler.call.cancel()  # vLLM's one slot frees, and cycles through its waiting requests
-            await asyncio.wait_for(asyncio.gather(*waiting), 120)
+            await asyncio.wait_for(asyncio.gather(*tasks[1:]), 120)
             return order
         finally:
-            filler.call.cancel()
-            for task in (filling, *waiting):
+            for call in calls:
+                call.cancel()
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(filling, *waiting, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_active(address: str, count: int, timeout_s: float = 120.0) -> None:
+    """Until the service's engine has `count` requests (GetStats active_sequences), bounded."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (await stats(address)).active_sequences < count:
+        assert asyncio.get_running_loop().time() < deadline, f"never {count} requests in the engine"
+        await asyncio.sleep(0.01)
 
 
 async def _capabilities(address: str) -> list[str]:
@@ -163,36 +190,26 @@ def test_requests_waiting_in_vllm_are_scheduled_by_priority(pd: PdService) -> No
         time.sleep(0.1)
 
 
-async def _drained(pd: PdService, texts: list[str]) -> tuple[list[int], list[str], list[list[int]]]:
+async def _drained(pd: PdService, texts: list[str]) -> tuple[int, list[str], list[list[int]]]:
     async with open_channel(pd.address) as channel:
         stub = prefill_decode_pb2_grpc.PrefillDecodeServiceStub(channel)
-        streams: list[TokenStream] = []
-        done: list[asyncio.Future[list[int]]] = []
-        for i, text in enumerate(texts):  # one at a time, each admitted before the next is sent
-            streams.append(TokenStream(stub.PrefillDecode(_request(f"drain-{i}", text, DRAINED_TOKENS), timeout=600)))
-            done.append(asyncio.ensure_future(streams[-1].run()))
-            seen: list[int] = []
-            for _ in range(1000):  # bounded
-                seen.append((await stats(pd.address)).requests_in_flight)
-                if seen[-1] == i + 1:
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                ended = [repr(d.exception() or d.result()) for d in done if d.done()]
-                raise AssertionError(
-                    f"request {i} not admitted beside the others: in flight {sorted(set(seen))}; {ended}"
-                )
-        # One runs (whichever vLLM took first), the others wait inside vLLM (one slot).
-        firsts = [asyncio.ensure_future(s.first.wait()) for s in streams]
-        await asyncio.wait(firsts, timeout=120, return_when=asyncio.FIRST_COMPLETED)
-        for first in firsts:
-            first.cancel()
-        assert pd.process.process is not None
-        pd.process.process.terminate()  # SIGTERM
-        at_signal = [len(s.tokens) for s in streams]
-        await until_draining(pd.address)
-        probes = await probe_until_refused(lambda: _generate(pd.address, _request("probe", "Hi.", 1)))
-        return at_signal, probes, list(await asyncio.gather(*done))
+        # vLLM's engine is stopped while they arrive: the service admits all three and none can
+        # advance until the test thaws it, after the signal and the probes, on a fast host as on a
+        # slow one. Then one runs and the others wait inside vLLM (one slot), during the drain.
+        with frozen_engine(pd.process) as thaw:
+            streams = [
+                TokenStream(stub.PrefillDecode(_request(f"drain-{i}", text, DRAINED_TOKENS), timeout=600))
+                for i, text in enumerate(texts)
+            ]
+            done = [asyncio.ensure_future(s.run()) for s in streams]
+            await until_in_flight(pd.address, len(texts))
+            assert pd.process.process is not None
+            pd.process.process.terminate()  # SIGTERM
+            at_signal = (await stats(pd.address)).requests_in_flight
+            await until_draining(pd.address)
+            probes = await probe_until_refused(lambda: _generate(pd.address, _request("probe", "Hi.", 1)))
+            thaw()
+            return at_signal, probes, list(await asyncio.gather(*done))
 
 
 @pytest.mark.timeout(1200)
@@ -200,7 +217,7 @@ def test_drain_finishes_running_and_waiting_requests_and_refuses_new_ones(pd: Pd
     texts = ["Tell a story.", "Name some colours.", "Describe the sea."]
     undisturbed = [asyncio.run(_generate(pd.address, _request("undisturbed", t, DRAINED_TOKENS))) for t in texts]
     at_signal, probes, finished = asyncio.run(_drained(pd, texts))
-    assert all(n < DRAINED_TOKENS for n in at_signal), at_signal  # in flight (running or waiting) at the signal
+    assert at_signal == len(texts)  # in flight at the signal (held by the stopped engine)
     assert finished == undisturbed  # every token
     *before, refused = probes
     assert set(before) <= {"OK"} and refused.startswith("UNAVAILABLE: ") and "draining" in refused, probes

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import time
+from collections.abc import Callable
 
 import pytest
 
@@ -11,6 +11,16 @@ from libs.contract.errors import DeadlineExceeded, ResourceExhausted, Unavailabl
 from libs.rpc.admission import Admission, deadline_of
 
 pytestmark = pytest.mark.unit
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Until `condition` holds: the tasks it waits for run on this loop's next turns (bounded)."""
+
+    async def poll() -> None:
+        while not condition():
+            await asyncio.sleep(0)
+
+    await asyncio.wait_for(poll(), 30)
 
 
 def test_bounds_running_and_waiting_then_returns_to_empty() -> None:
@@ -26,7 +36,7 @@ def test_bounds_running_and_waiting_then_returns_to_empty() -> None:
                 await release.wait()
 
         tasks = [asyncio.ensure_future(work()) for _ in range(3)]
-        await asyncio.sleep(0.05)
+        await _until(lambda: admission.running + admission.waiting == 3)
         assert (admission.running, admission.waiting) == (2, 1)
         with pytest.raises(ResourceExhausted, match="prefill is full: 2 running, 1 waiting"):
             async with admission.slot():
@@ -39,15 +49,19 @@ def test_bounds_running_and_waiting_then_returns_to_empty() -> None:
     asyncio.run(scenario())
 
 
+async def _acquire(admission: Admission, deadline: float | None) -> None:
+    async with admission.slot(deadline=deadline):
+        pass
+
+
 def test_deadline_while_waiting() -> None:
     async def scenario() -> None:
         admission = Admission("decode", max_running=1, max_waiting=4)
         async with admission.slot():
-            started = time.monotonic()
+            # Only the deadline can end this wait (the slot is ours until after it); the bound
+            # turns a deadline never honoured into a failure instead of a hang.
             with pytest.raises(DeadlineExceeded, match="waiting for decode"):
-                async with admission.slot(deadline=deadline_of(0.1)):
-                    pass
-            assert time.monotonic() - started < 2
+                await asyncio.wait_for(_acquire(admission, deadline_of(0.1)), 30)
         assert (admission.running, admission.waiting) == (0, 0)
         async with admission.slot(deadline=deadline_of(1.0)):
             assert admission.running == 1
@@ -68,10 +82,9 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
                     await release.wait()
 
         first = asyncio.ensure_future(work("first", 0))
-        await asyncio.sleep(0.01)
+        await _until(lambda: order == ["first"])  # it holds the one slot
         rest = [asyncio.ensure_future(work(n, p)) for n, p in [("low", -5), ("a", 0), ("high", 9), ("b", 0)]]
-        await asyncio.sleep(0.01)
-        assert admission.waiting == 4
+        await _until(lambda: admission.waiting == 4)
         release.set()
         await asyncio.gather(first, *rest)
         assert (admission.running, admission.waiting) == (0, 0)

@@ -12,6 +12,7 @@ import pytest
 
 from libs.client.generate import build_request, generate, open_channel
 from libs.launch.process import ServiceProcess
+from tests.support.slow_generate import until_in_flight
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +25,9 @@ def _serving_line(log: Path) -> dict[str, object]:
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_service_runs_serves_and_drains_on_the_chosen_loop(tmp_path: Path, loop: str) -> None:
     log = tmp_path / "slow.log"
-    process = ServiceProcess("slow", "tests.support.slow_generate", ["--event-loop", loop, "--hold-s", "0.5"], log)
+    process = ServiceProcess(
+        "slow", "tests.support.slow_generate", ["--event-loop", loop, "--hold-until-drain", "--hold-s", "0.2"], log
+    )
     process.start()
     try:
         address = process.wait_ready(60)
@@ -32,7 +35,8 @@ def test_service_runs_serves_and_drains_on_the_chosen_loop(tmp_path: Path, loop:
         async def drained_call() -> tuple[list[int], int | None]:
             async with open_channel(address) as channel:
                 call = asyncio.create_task(generate(channel, build_request("hi", request_id="a"), timeout_s=30))
-                await asyncio.sleep(0.2)  # in flight when the drain starts
+                # Admitted, and held until the drain begins: in flight at the signal on any host.
+                await until_in_flight(address, 1)
                 status = await asyncio.to_thread(process.stop, 30)
                 return (await call).token_ids, status
 

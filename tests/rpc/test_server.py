@@ -26,26 +26,30 @@ pytestmark = pytest.mark.unit
 
 
 class SlowEncoder(encoder_pb2_grpc.EncoderServiceServicer):
+    """Answers at once, except a request "held", which waits for `release` (after `started`)."""
+
     def __init__(self) -> None:
         self.started = asyncio.Event()
+        self.release = asyncio.Event()
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: Any) -> encoder_pb2.EncodeResponse:
         validate_encode_request(request)
-        self.started.set()
-        await asyncio.sleep(float(request.request_id.split("-")[1]) / 1000)
+        if request.request_id == "held":
+            self.started.set()
+            await self.release.wait()
         return encoder_pb2.EncodeResponse()
 
 
-def _request(sleep_ms: int) -> encoder_pb2.EncodeRequest:
+def _request(request_id: str = "quick") -> encoder_pb2.EncodeRequest:
     request = samples.encode_request()
-    request.request_id = f"sleep-{sleep_ms}"
+    request.request_id = request_id
     return request
 
 
 def test_standard_services_and_graceful_stop() -> None:
     async def scenario() -> None:
         encoder = SlowEncoder()
-        server = EpdServer(ServerOptions(grace_s=5.0), samples.service_info)
+        server = EpdServer(ServerOptions(grace_s=30.0), samples.service_info)
         server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, encoder, "epd.v1.EncoderService")
         port = await server.start()
         assert port > 0 and server.address == f"127.0.0.1:{port}"
@@ -91,19 +95,35 @@ def test_standard_services_and_graceful_stop() -> None:
             assert replies[1].file_descriptor_response.file_descriptor_proto  # the schema, for grpcurl describe
 
             stub = encoder_pb2_grpc.EncoderServiceStub(channel)
-            bad = _request(0)
+            bad = _request()
             bad.ClearField("accepted_transports")
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.Encode(bad, timeout=5)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-            in_flight = asyncio.ensure_future(stub.Encode(_request(800), timeout=10))
-            await asyncio.wait_for(encoder.started.wait(), 5)
-            stopping = asyncio.ensure_future(server.stop())
-            await asyncio.sleep(0.1)
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.Encode(_request(0), timeout=5)
-            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            in_flight = asyncio.ensure_future(stub.Encode(_request("held"), timeout=60))
+            await asyncio.wait_for(encoder.started.wait(), 30)
+            refusing = asyncio.Event()
+
+            async def drain(_grace: float) -> None:
+                refusing.set()  # the server refuses new calls from the moment this returns
+
+            stopping = asyncio.ensure_future(server.stop(drain=drain))
+            await asyncio.wait_for(refusing.wait(), 30)  # resumed once the drain is over, not before
+            # Probe until refused: a call that grpc core took just before the server's stop began is
+            # served (OK) or cancelled unhandled (CANCELLED, the stop race libs/rpc/retry.py retries);
+            # from then on every new call is refused UNAVAILABLE, while the held call goes on.
+            seen: list[grpc.StatusCode] = []
+            while not seen or seen[-1] != grpc.StatusCode.UNAVAILABLE:
+                assert len(seen) < 1000, seen[-5:]
+                try:
+                    await stub.Encode(_request(), timeout=5)
+                    seen.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as exc:
+                    seen.append(exc.code())
+            assert set(seen) <= {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}, seen
+            assert not in_flight.done()  # still held by the handler, across the refusal
+            encoder.release.set()
             assert isinstance(await in_flight, encoder_pb2.EncodeResponse)  # finished within the grace period
             await stopping
 

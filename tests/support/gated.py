@@ -14,8 +14,7 @@ seen what it waits for, on a fast host as on a slow one:
 - `--stop GATE`: after the service's drain, its event loop blocks (creating `GATE.held` first)
   until GATE exists. Calls that arrive meanwhile are accepted by grpc core (its I/O runs outside the
   Python loop) but not handed to a handler, so the server's stop cancels them with a bare CANCELLED:
-  the stop race of libs/rpc/retry.py, lasting until the test has sent its calls into it
-  (tests/rpc/starved_stop.py starves for a fixed time instead).
+  the stop race of libs/rpc/retry.py, lasting until the test has sent its calls into it.
 
 Only a test harness: nothing ships it.
 """

@@ -117,8 +117,9 @@ class PeerProcess:
         result: dict[str, Any] = self.call("stats")
         return result
 
-    def wait_leases_settled(self, timeout: float = 5.0) -> dict[str, Any]:
-        """Poll until no lease is active (acks are asynchronous); returns the last stats."""
+    def wait_leases_settled(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Poll until no lease is active (acks are asynchronous; a loaded host delays them), bounded;
+        returns the last stats."""
         deadline = time.monotonic() + timeout
         while True:
             stats = self.stats()
@@ -136,7 +137,7 @@ class PeerProcess:
         """SIGSTOP, and wait until every thread has actually stopped (delivery is asynchronous; on a
         busy host a thread may otherwise still serve a request after kill() returned)."""
         os.kill(self.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while not all(_task_state(self.pid, task) in ("T", "t") for task in os.listdir(f"/proc/{self.pid}/task")):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"peer {self.pid} did not stop")

@@ -4,13 +4,17 @@ and calls through a running stack."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import time
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from libs.client.generate import GenerationResult, build_request, generate, open_channel
@@ -36,6 +40,7 @@ from libs.engine.encoder_runner import EncoderRunner
 from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.engine.media import synthetic
 from libs.engine.prefill_runner import PrefillRunner
+from libs.launch.process import ServiceProcess
 from libs.rpc.server import open_channel as service_channel
 
 TOKENS = 8
@@ -231,3 +236,61 @@ def sample_values(metrics: str, name: str, label: str = "") -> list[float]:
     return [
         float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{") and label in line
     ]
+
+
+def engine_processes(service: ServiceProcess) -> list[psutil.Process]:
+    """The vLLM engine's processes under a service: its EngineCore processes and their children."""
+    children = psutil.Process(service.pid).children(recursive=True)
+    cores = [p for p in children if "EngineCore" in p.name() + " ".join(p.cmdline())]
+    assert cores, f"no EngineCore process under {service.name}"
+    return [*cores, *(child for core in cores for child in core.children(recursive=True))]
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of `pid` stopped (SIGSTOP is delivered to each thread in its own time)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                    return False
+        except FileNotFoundError:
+            pass  # the thread exited
+    return True
+
+
+@contextlib.contextmanager
+def frozen_engine(service: ServiceProcess) -> Iterator[Callable[[], None]]:
+    """The service's vLLM engine stopped (SIGSTOP) while the service itself runs on: it admits,
+    answers health and stats, drains, but no request it admitted can advance, let alone finish,
+    until the engine is thawed (the callable given, or leaving the block): a request in flight
+    stays in flight for as long as the test needs, however fast the host."""
+    processes = engine_processes(service)
+    for process in processes:
+        process.suspend()
+    deadline = time.monotonic() + 30
+    while not all(_stopped(p.pid) for p in processes):
+        assert time.monotonic() < deadline, f"{service.name}: its engine did not stop"
+        time.sleep(0.001)
+    thawed = False
+
+    def thaw() -> None:
+        nonlocal thawed
+        if not thawed:
+            thawed = True
+            for process in processes:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.resume()
+
+    try:
+        yield thaw
+    finally:
+        thaw()
+
+
+async def until_in_flight(address: str, count: int, timeout_s: float = 120.0) -> None:
+    """Until the service reports `count` requests in flight (GetStats: admitted, running or
+    waiting), bounded."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (got := (await stats(address)).requests_in_flight) != count:
+        assert asyncio.get_running_loop().time() < deadline, f"{address}: {got} requests in flight, never {count}"
+        await asyncio.sleep(0.01)

@@ -21,6 +21,9 @@ from tests.support.transfer_peer import MiB, PeerError, PeerProcess, Resolver, d
 
 pytestmark = pytest.mark.integration
 
+# A fetch deadline past every test's limit here: a fetch that returns was answered by the transport.
+NEVER_S = 3600.0
+
 
 @pytest.fixture
 def peers() -> Iterator[list[PeerProcess]]:
@@ -92,11 +95,10 @@ def test_dead_peer_fails_fast_whether_or_not_it_was_contacted(
     contacted.kill()
     never_contacted.kill()
     for handle in orphans:
-        started = time.monotonic()
+        # Our deadline lies past the test's own limit: an answer at all is the transport's, telling
+        # that the peer is gone (a deadline would be TransferTimeout, DEADLINE_EXCEEDED).
         with pytest.raises(PeerUnavailable) as info:
-            consumer.fetch(handle, timeout_s=60)
-        # Told by the transport that the peer is gone, not by our deadline (generous for a loaded host).
-        assert time.monotonic() - started < 30
+            consumer.fetch(handle, timeout_s=NEVER_S)
         assert info.value.grpc_code == grpc.StatusCode.UNAVAILABLE
     assert consumer_agent.pool.stats().empty
 
@@ -130,10 +132,11 @@ def test_restarted_peer_is_refetched_and_old_handles_are_refused(
         assert digest(received["e"]) == published.digests["e"]
     assert calls == [first.agent_info.agent_name, second.agent_info.agent_name]
 
+    # Answered by the transport, not by our deadline (past the test's limit).
     with pytest.raises((PeerUnavailable, StaleHandle)):  # the dead incarnation's connection fails
-        consumer.fetch(leftover, timeout_s=2)
+        consumer.fetch(leftover, timeout_s=NEVER_S)
     with pytest.raises(StaleHandle):  # re-resolving finds the new incarnation: the handle is stale
-        consumer.fetch(leftover, timeout_s=2)
+        consumer.fetch(leftover, timeout_s=NEVER_S)
     assert consumer_agent.pool.stats().empty
 
 
@@ -156,9 +159,8 @@ def test_read_from_a_frozen_peer_times_out_and_quarantines_the_slot(peers: list[
         started = time.monotonic()
         with pytest.raises(TransferTimeout) as info:
             consumer.fetch(stuck.handle, timeout_s=0.5)
-        elapsed = time.monotonic() - started
-        # Ended by our deadline: never before it, and not never (generous for a loaded host).
-        assert 0.5 <= elapsed < 10
+        # Ended by our deadline, never before it (and not never: the test's own limit).
+        assert time.monotonic() - started >= 0.5
         assert info.value.grpc_code == grpc.StatusCode.DEADLINE_EXCEEDED
         stats = agent.pool.stats()
         assert (stats.slots_in_use, stats.quarantined_slots) == (0, 1)

@@ -211,10 +211,8 @@ def test_out_of_bounds_regions_fail_fast(producer_peer: PeerProcess, consumer: T
         "straddling_the_end": lowest_slot + pool["capacity_bytes"] - region.length // 2,
         "before_the_pool": lowest_slot - 2 * MiB,
     }[where]
-    started = time.monotonic()
-    with pytest.raises(DescriptorOutOfBounds) as info:
-        consumer.fetch(bad, timeout_s=60)
-    assert time.monotonic() - started < 30  # refused by NIXL at once, not ended by our deadline (generous)
+    with pytest.raises(DescriptorOutOfBounds) as info:  # refused by NIXL: our deadline is past the test's limit
+        consumer.fetch(bad, timeout_s=3600)
     assert info.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT
     with consumer.fetch(published.handle) as received:  # the genuine handle still works
         assert_bit_exact(received, published)
@@ -226,10 +224,8 @@ def test_unknown_agent_is_unavailable(producer_peer: PeerProcess, consumer: Tens
     ghost = tensor_pb2.TensorHandle()
     ghost.CopyFrom(published.handle)
     ghost.agent.agent_name = "encoder-that-never-was"
-    started = time.monotonic()
-    with pytest.raises(PeerUnavailable):  # the resolver has no metadata for it
-        consumer.fetch(ghost, timeout_s=60)
-    assert time.monotonic() - started < 30  # at once, not at our deadline (generous for a loaded host)
+    with pytest.raises(PeerUnavailable):  # the resolver has no metadata for it (our deadline: past the test's limit)
+        consumer.fetch(ghost, timeout_s=3600)
     assert producer_peer.call("release", [published.handle.lease_id]) == 1
 
 
@@ -256,8 +252,8 @@ def test_consumer_pool_exhaustion_leaves_the_lease_to_the_producer(producer_peer
     resolver.add(producer_peer)
     with TransferAgent(TransferConfig(pool_bytes=MiB, huge_pages=False)) as small:
         consumer = TensorConsumer(small, resolver)
+        acked = producer_peer.wait_leases_settled()["leases"]["acked"]  # earlier acks in, before its lease
         published = producer_peer.put([("embeddings", (4 * MiB,), "uint8")], seed=10)
-        acked = producer_peer.wait_leases_settled()["leases"]["acked"]
         with pytest.raises(PoolExhausted) as info:
             consumer.fetch(published.handle)
         assert info.value.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
