@@ -3,10 +3,14 @@
 The service prints `<name> listening on HOST:PORT` to stdout once its server is up (it binds port 0
 by default, so there is no port race); stdout and stderr go to a log file the launcher polls.
 Stopping sends SIGTERM (the service drains within its grace period), then SIGKILL after a timeout.
+Each service leads a process group of its own; once it has exited, whatever is left of that group
+is killed too: processes the service started and did not stop (a vLLM engine core outlives a
+service that was SIGKILLed, and would keep its memory and a busy core).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -57,6 +61,7 @@ class ServiceProcess:
 
     def start(self) -> None:
         """Start (or restart: the log is appended to, the same arguments and port are used)."""
+        self._end_group()  # a previous incarnation's leftovers
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_offset = self.log_path.stat().st_size if self.starts and self.log_path.exists() else 0
         # The service stops itself if this process dies without stopping it (libs/rpc/main.py).
@@ -114,7 +119,7 @@ class ServiceProcess:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, timeout_s: float = 15.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL; returns the exit status."""
+        """SIGTERM, wait, then SIGKILL; returns the exit status. Leftovers of its group are killed."""
         if self.process is None:
             return None
         if self.process.poll() is None:
@@ -124,10 +129,24 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(5)
+        self._end_group()
         return self.process.returncode
 
     def kill(self) -> None:
-        """SIGKILL at once (failure tests: an encoder disappearing)."""
+        """SIGKILL at once (failure tests: an encoder disappearing), and its group's leftovers."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(5)
+        self._end_group()
+
+    def _end_group(self) -> None:
+        """SIGKILL what is left of the exited service's process group (its id is the service's PID:
+        `start_new_session`); nothing when the service still runs or never ran. While a member of
+        the group lives its id cannot be given to another process, so once the service's PID is
+        free the group holds only what the service left."""
+        if self.process is None or self.process.poll() is None:
+            return
+        if Path(f"/proc/{self.process.pid}").exists():
+            return  # the PID was given to another process: the group is gone
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
