@@ -112,6 +112,12 @@ async def _prefill_drains(stack: Stack) -> dict[str, object]:
     """Streams through the router, decode's engine stopped; once each has its first token, SIGTERM
     the prefill and probe it; then thaw decode."""
     prefill = stack.processes["prefill"]
+    # The undisturbed runs' KV leases acked (prefill notices a decode's read a moment after it):
+    # only the unread handoffs' are left.
+    for _ in range(300):  # bounded: 30 s
+        if (await stats(prefill.address)).pool.active_leases == HANDOFFS:
+            break
+        await asyncio.sleep(0.1)
     async with open_channel(stack.address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         with frozen_engine(stack.processes["decode"]) as thaw:

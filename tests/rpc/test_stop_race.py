@@ -16,6 +16,8 @@ every run, on a fast host as on a slow one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
 import signal
 import threading
 import time
@@ -40,16 +42,17 @@ MAX_CALLS = 2000
 # rightly: on a loaded host the replacement's start-up took long enough for 5 ms arrivals to pile up.
 MAX_IN_FLIGHT = 256
 # Calls fired into each moment of the stop (its drain, its starved event loop) before the test lets
-# the server go on: each moment lasts until they were sent, however fast or slow the host.
+# the server go on: each moment lasts until they were sent, however fast or slow the host (fired
+# even at MAX_IN_FLIGHT: 2 x 20 more stay below what the replacement admits).
 INTO_EACH = 20
 
 
 def _server(port: int, log: Path, hold: Path | None = None, starve: Path | None = None) -> ServiceProcess:
-    """The service on `port`: its calls held until the file `hold` exists, its event loop starved
-    after the drain until the file `starve` exists (tests/support/gated.py --stop)."""
+    """The service on `port`: its calls take 0.3 s, a call "held..." until the file `hold` exists;
+    its event loop starved after the drain until the file `starve` exists (tests/support/gated.py --stop)."""
     command = ["tests.support.slow_generate", "--port", str(port), "--hold-s", "0.3"]
-    if hold is not None:
-        command += ["--hold-until", str(hold)]
+    if hold is not None:  # its drain lasts as long as the test holds that call (bounded by the grace)
+        command += ["--hold-until", str(hold), "--hold-prefix", "held", "--grace-s", "60"]
     if starve is not None:
         command = ["tests.support.gated", "--stop", str(starve), *command]
     process = ServiceProcess("slow", command[0], command[1:], log)
@@ -79,7 +82,7 @@ def _draining(address: str) -> bool:
 
 def _restart_under_load(tmp_path: Path, trial: int) -> tuple[list[GenerationResult | str], int | None]:
     """Fire calls at a server while it is stopped (SIGTERM) and replaced on its port; every outcome,
-    and the old process's exit status. The stop waits for the load at each step: calls admitted
+    and the old process's exit status. The stop waits for the load at each step: a call admitted
     (held) before the signal, calls fired into the drain (refused), calls fired into the starved
     loop (cancelled by the server's stop)."""
     port = free_port()
@@ -89,20 +92,23 @@ def _restart_under_load(tmp_path: Path, trial: int) -> tuple[list[GenerationResu
     new: ServiceProcess | None = None
     status: list[int | None] = []
     fired: list[int] = []  # calls fired so far (the load's count, read by the restart thread)
+    owed: queue.SimpleQueue[None] = queue.SimpleQueue()  # calls to fire even at MAX_IN_FLIGHT
 
     def fire_into(what: str) -> None:
         mark = len(fired)
+        for _ in range(INTO_EACH):
+            owed.put(None)
         _until(lambda: len(fired) >= mark + INTO_EACH, f"{INTO_EACH} calls fired into {what}")
 
     def restart(loop: asyncio.AbstractEventLoop, stopped: asyncio.Event) -> None:
         nonlocal new
         try:
-            _until(lambda: _in_flight(address) > 0, "a call in flight")  # calls in flight first (held)
+            _until(lambda: _in_flight(address) > 0, "a call in flight")  # calls in flight first (one held)
             assert old.process is not None
             old.process.send_signal(signal.SIGTERM)
             _until(lambda: _draining(address), "draining")
             fire_into("the drain")  # refused: admission closes with the health
-            hold.touch()  # the held calls finish; the drain ends and the event loop starves
+            hold.touch()  # the held call finishes; the drain ends and the event loop starves
             _until(Path(f"{starve}.held").exists, "starving")
             fire_into("the starved loop")  # accepted by grpc core, never handed to a handler
             starve.touch()  # the server stops: those calls are cancelled
@@ -115,9 +121,9 @@ def _restart_under_load(tmp_path: Path, trial: int) -> tuple[list[GenerationResu
         stopped = asyncio.Event()
         in_flight = 0
 
-        async def one(i: int) -> GenerationResult | str:
+        async def one(i: int, name: str = "call") -> GenerationResult | str:
             nonlocal in_flight
-            request = build_request("hi", request_id=f"t{trial}-{i}")
+            request = build_request("hi", request_id=f"{name}-{trial}-{i}")
             in_flight += 1
             try:
                 return await generate(channel, request, timeout_s=60, retry_unavailable=True)
@@ -129,11 +135,13 @@ def _restart_under_load(tmp_path: Path, trial: int) -> tuple[list[GenerationResu
         async with open_channel(address) as channel:
             thread = threading.Thread(target=restart, args=(asyncio.get_running_loop(), stopped))
             thread.start()
-            calls = []
+            calls = [asyncio.ensure_future(one(0, "held"))]  # the drain waits for it until the test lets it go
             while not stopped.is_set() and len(calls) < MAX_CALLS:
-                if in_flight < MAX_IN_FLIGHT:
+                if in_flight < MAX_IN_FLIGHT or not owed.empty():
                     calls.append(asyncio.ensure_future(one(len(calls))))
                     fired.append(1)
+                    with contextlib.suppress(queue.Empty):
+                        owed.get_nowait()
                 await asyncio.sleep(FIRE_EVERY_S)
             outcomes = list(await asyncio.gather(*calls))
             await asyncio.to_thread(thread.join, 60)

@@ -1,8 +1,8 @@
 """A minimal service for stop-race tests, run as its own process (`python -m tests.support.slow_generate`)
 through the same `service_main`, `EpdServer`, `Admission` and `drainer` as every EPD service: its
 `Generate` holds an admission slot for `--hold-s` (with `--hold-until-drain`, until the service's
-drain has begun, then `--hold-s`; with `--hold-until FILE`, until FILE exists, then `--hold-s`) and
-answers one token. `GetStats` counts the calls admitted
+drain has begun, then `--hold-s`; with `--hold-until FILE`, a request whose id starts with
+`--hold-prefix` waits until FILE exists first) and answers one token. `GetStats` counts the calls admitted
 (running or waiting): what a test waits on before it signals the service."""
 
 from __future__ import annotations
@@ -35,17 +35,24 @@ class SlowSettings(CommonSettings):
     hold_s: float = setting(0.3, "seconds each Generate holds its slot")
     grace_s: float = setting(3.0, "drain grace period")
     hold_until_drain: bool = setting(False, "each Generate holds its slot until the drain begins, then hold_s")
-    hold_until: str = setting("", "a file: each Generate holds its slot until it exists, then hold_s")
+    hold_until: str = setting("", "a file: a Generate of hold_prefix holds its slot until it exists, then hold_s")
+    hold_prefix: str = setting("held", "the request ids hold_until holds")
 
 
 class SlowGenerate(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(
-        self, admission: Admission, hold_s: float, draining: asyncio.Event | None = None, gate: str = ""
+        self,
+        admission: Admission,
+        hold_s: float,
+        draining: asyncio.Event | None = None,
+        gate: str = "",
+        gated: str = "held",
     ) -> None:
         self._admission = admission
         self._hold_s = hold_s
         self._draining = draining
         self._gate = Path(gate) if gate else None
+        self._gated = gated
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: Any
@@ -53,7 +60,7 @@ class SlowGenerate(generate_pb2_grpc.GenerateServiceServicer):
         async with admitted(self._admission, request, context):
             if self._draining is not None:
                 await self._draining.wait()
-            while self._gate is not None and not self._gate.exists():
+            while self._gate is not None and request.request_id.startswith(self._gated) and not self._gate.exists():
                 await asyncio.sleep(0.005)
             await asyncio.sleep(self._hold_s)
             yield generate_pb2.GenerateResponse(
@@ -97,7 +104,7 @@ async def setup(settings: SlowSettings) -> ServiceParts:
         servicers=[
             (
                 generate_pb2_grpc.add_GenerateServiceServicer_to_server,
-                SlowGenerate(admission, settings.hold_s, draining, settings.hold_until),
+                SlowGenerate(admission, settings.hold_s, draining, settings.hold_until, settings.hold_prefix),
                 "epd.v1.GenerateService",
             ),
             (stats_pb2_grpc.add_StatsServiceServicer_to_server, Stats(admission), "epd.v1.StatsService"),
