@@ -117,6 +117,11 @@ def test_standard_services_and_graceful_stop() -> None:
 
             stopping = asyncio.ensure_future(server.stop(drain=drain))
             await asyncio.wait_for(refusing.wait(), 30)  # resumed once the stop refuses, not before
+            # ... and once this client knows (the server's GOAWAY: its connection is no longer used
+            # for new calls). A call sent before that crosses the shutdown: CANCELLED, the stop race
+            # of libs/rpc/retry.py, not the refusal this checks.
+            while channel.get_state() == grpc.ChannelConnectivity.READY:
+                await asyncio.wait_for(channel.wait_for_state_change(grpc.ChannelConnectivity.READY), 30)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.Encode(_request(), timeout=5)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
