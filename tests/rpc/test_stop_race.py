@@ -51,8 +51,10 @@ def _server(port: int, log: Path, hold: Path | None = None, starve: Path | None 
     """The service on `port`: its calls take 0.3 s, a call "held..." until the file `hold` exists;
     its event loop starved after the drain until the file `starve` exists (tests/support/gated.py --stop)."""
     command = ["tests.support.slow_generate", "--port", str(port), "--hold-s", "0.3"]
-    if hold is not None:  # its drain lasts as long as the test holds that call (bounded by the grace)
-        command += ["--hold-until", str(hold), "--hold-prefix", "held", "--grace-s", "60"]
+    if hold is not None:
+        # Its drain lasts as long as the test holds that call, bounded by 0.9 of the grace; calls
+        # its starved loop took but never handled are cancelled once the rest of the grace is over.
+        command += ["--hold-until", str(hold), "--hold-prefix", "held", "--grace-s", "10"]
     if starve is not None:
         command = ["tests.support.gated", "--stop", str(starve), *command]
     process = ServiceProcess("slow", command[0], command[1:], log)
@@ -112,7 +114,7 @@ def _restart_under_load(tmp_path: Path, trial: int) -> tuple[list[GenerationResu
             _until(Path(f"{starve}.held").exists, "starving")
             fire_into("the starved loop")  # accepted by grpc core, never handed to a handler
             starve.touch()  # the server stops: those calls are cancelled
-            status.append(old.process.wait(30))
+            status.append(old.process.wait(60))
         finally:
             loop.call_soon_threadsafe(stopped.set)  # the race is over: the old server has exited
         new = _server(port, tmp_path / f"new-{trial}.log")
