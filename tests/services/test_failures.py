@@ -386,11 +386,18 @@ def test_encoder_killed_mid_load(doomed_stack: Stack, expected: dict[str, list[i
     request whose items the dead encoder held is retried on the other encoder before its first
     token, and a request that never touched it is not affected; so every request completes, with
     the model's own tokens. The kill provably costs work on any host: encoder-0 holds each of
-    these requests' Encode calls until it dies, and is killed once it holds one."""
+    these requests' encodes until it dies, two images whose placement ranks it first go out
+    before the rest, and it is killed once it holds one."""
     stack = doomed_stack
     victim = stack.processes["encoder-0"]
-    plan = ["two_images", "image", "video", "audio_image"] * 6
     slug = layout_slug(stack.spec.layout)  # request ids of their own: both layouts' spans reach one receiver
+    encoders = [victim.address, stack.processes["encoder-1"].address]
+    sampling = sampling_pb2.SamplingParams(max_tokens=8)
+    placed = [
+        build_request("what is this", [image], sampling=sampling, request_id=f"kill-{slug}-placed-{i}")
+        for i, image in enumerate(_images_preferring(victim.address, encoders, 2))
+    ]
+    plan = ["two_images", "image", "video", "audio_image"] * 6
     requests = [request_for(MIXES[name], request_id=f"kill-{slug}-{i}") for i, name in enumerate(plan)]
 
     def holds_work() -> bool:
@@ -404,20 +411,26 @@ def test_encoder_killed_mid_load(doomed_stack: Stack, expected: dict[str, list[i
                 except grpc.aio.AioRpcError as exc:
                     return f"{exc.code().name}: {exc.details()}"
 
-        tasks = [asyncio.ensure_future(one(r)) for r in requests]
-        # Kill it once it holds an encode (polled off the event loop the requests run on).
+        first = [asyncio.ensure_future(one(r)) for r in placed]
+        # Once it holds an encode (polled off the event loop the requests run on), the rest of the
+        # load joins, and the encoder is killed.
         await asyncio.to_thread(wait_for, holds_work, 60, "encoder-0 to hold an encode", 0.01)
+        rest = [asyncio.ensure_future(one(r)) for r in requests]
         victim.kill()  # SIGKILL: no drain, its memory is gone
-        return list(await asyncio.gather(*tasks))
+        return list(await asyncio.gather(*first, *rest))
 
     outcomes = asyncio.run(load())
-    failed = {requests[i].request_id: o for i, o in enumerate(outcomes) if isinstance(o, str)}
-    assert not failed, f"{len(failed)} of {len(plan)} requests failed: {failed}"
-    wrong = {i: plan[i] for i, r in enumerate(outcomes) if r.token_ids != expected[plan[i]]}  # type: ignore[union-attr]
+    failed = {r.request_id: o for r, o in zip([*placed, *requests], outcomes, strict=True) if isinstance(o, str)}
+    assert not failed, f"{len(failed)} of {len(outcomes)} requests failed: {failed}"
+    served = [o for o in outcomes if isinstance(o, GenerationResult)]
+    wrong = {i: plan[i] for i, r in enumerate(served[len(placed) :]) if r.token_ids != expected[plan[i]]}
     assert not wrong
+    # The placed images' tokens are those the stack gives them undisturbed (encoder-1 alone now).
+    again = run_requests(stack.address, [_renamed(r, "again") for r in placed])
+    assert [r.token_ids for r in served[: len(placed)]] == [r.token_ids for r in again]
     # The kill cost requests something: every item sent to encoder-0 was held there, so each of
-    # them (at least one) had to be encoded by encoder-1 after the kill.
-    touched = _encoders_per_item(receiver, {r.request_id for r in requests}, 24)
+    # them (at least the placed ones') had to be encoded by encoder-1 after the kill.
+    touched = _encoders_per_item(receiver, {r.request_id for r in [*placed, *requests]}, len(outcomes))
     sent_to_victim = {key: addresses for key, addresses in touched.items() if victim.address in addresses}
     assert sent_to_victim, f"no item was sent to the killed encoder: {touched}"
     assert all(len(addresses) > 1 for addresses in sent_to_victim.values()), sent_to_victim
