@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -104,3 +106,40 @@ def test_draining_refuses_new_work_but_finishes_admitted() -> None:
         assert await admission.idle(1.0)
 
     asyncio.run(scenario())
+
+
+def test_memory_released_after_the_calls_end_is_reclaimed_by_the_second_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large call's bytes held in a reference cycle by something that lets go only after the
+    call's done callback ran: the first pass cannot free them, the deferred one does, and calls
+    ending together share one deferred pass."""
+    from libs.rpc import admission
+
+    class Held:
+        def __init__(self) -> None:
+            self.payload = bytearray(8 << 20)
+            self.cycle = self  # only the cyclic collector frees it
+
+    collections: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            collections.append(1)
+
+    async def scenario() -> None:
+        late_holder = [Held()]
+        held = weakref.ref(late_holder[0])
+        admission._give_back(None)  # the call ends while the request is still referenced
+        admission._give_back(None)  # a second call ends within the same window
+        assert held() is not None and len(collections) == 2
+        late_holder.clear()  # ... then the last reference goes (garbage, but in a cycle)
+        await _until(lambda: held() is None)
+        assert len(collections) == 3  # one deferred pass for both calls, and it freed the bytes
+
+    monkeypatch.setattr(admission, "SECOND_PASS_S", 0.01)
+    gc.disable()  # only the passes collect
+    gc.callbacks.append(count)
+    try:
+        asyncio.run(scenario())
+    finally:
+        gc.callbacks.remove(count)
+        gc.enable()
