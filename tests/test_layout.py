@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 # Run by hand or by make, and beside the tests they belong to; they import from tests/support.
-TOOLS = {"tests/engine/whisper_report.py", "tests/fuzz/run.py"}
+TOOLS = {"tests/runtime/whisper_report.py", "tests/fuzz/run.py"}
 
 
 def _modules() -> list[Path]:

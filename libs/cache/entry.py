@@ -26,7 +26,7 @@ import torch
 from zlib_ng.zlib_ng import crc32  # zlib's CRC-32, SIMD: ~10x zlib's speed here
 
 from libs.cache.keys import ENTRY_FORMAT_VERSION, CacheKey, Namespace
-from libs.engine.types import (
+from libs.runtime.types import (
     DTYPE_BY_NAME,
     NAME_BY_DTYPE,
     AudioLayout,

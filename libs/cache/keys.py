@@ -20,7 +20,7 @@ from libs.contract.epd.v1 import media_pb2
 from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
 
 if TYPE_CHECKING:  # no runtime import: the router hashes items without loading torch
-    from libs.engine.types import Modality, ProcessorOptions
+    from libs.runtime.types import Modality, ProcessorOptions
 
 # Capability of encoders that honor `EncodeRequest.cache_policy` = CACHE_POLICY_CACHED_ONLY (1.2).
 CACHED_ONLY = "encoder.cached_only"

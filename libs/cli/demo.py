@@ -11,9 +11,9 @@ import grpc
 
 from libs.client.generate import GenerationResult, build_request, generate, open_channel
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
-from libs.engine.media import synthetic
 from libs.launch.process import LaunchError
 from libs.launch.stack import Stack, StackSpec
+from libs.runtime.media import synthetic
 
 
 def sample_requests() -> list[tuple[str, list[media_pb2.MediaItem], str]]:

@@ -37,7 +37,7 @@ def ensure_model(path: Path) -> Path:
         if not (path / "config.json").exists():
             raise SystemExit(f"epd: no checkpoint at {path} (config.json missing)")
         return path
-    from libs.engine.checkpoints import ensure_checkpoint  # torch import only when needed
+    from libs.runtime.checkpoints import ensure_checkpoint  # torch import only when needed
 
     print(f"checking the tiny Qwen2.5-Omni checkpoint in {path} ...", file=sys.stderr)
     return ensure_checkpoint("qwen2_5_omni", "tiny")

@@ -1,6 +1,6 @@
 """A discrete-event model (SimPy) of a disaggregated stack, driven by a measured `Profile`.
 
-Each instance is one engine thread (a priority queue, as `libs.serving.engine_loop.EngineThread`):
+Each instance is one engine thread (a priority queue, as `libs.serving.compute_thread.ComputeThread`):
 - an encoder runs one item at a time (items of a request spread over the least-loaded encoders);
 - a prefill (E/P/D) or PD (E+PD) instance runs prefill in chunks of `chunk_tokens`, each queued by
   its remaining tokens (shortest remaining first); a PD instance also runs its decode batch, one

@@ -1,6 +1,6 @@
 """Peer handshake: every consumer reads a producer's `ServiceInfo` at first contact and checks it.
 
-`PeerDirectory` keeps one channel per peer address and that peer's checked `ServiceInfo`. It is
+`PeerChannels` keeps one channel per peer address and that peer's checked `ServiceInfo`. It is
 re-read when a handle names a different `instance_id` than the cached one (the peer restarted) or
 on demand. A peer that cannot be reached is UNAVAILABLE; one that speaks another contract major,
 serves another model, has an unexpected role, or advertises different embedding specs is
@@ -76,7 +76,7 @@ def _same_incarnation(info: service_info_pb2.ServiceInfo, instance_id: str | Non
     return any(t.HasField("nixl") and t.nixl.instance_id == instance_id for t in info.transports)
 
 
-class PeerDirectory:
+class PeerChannels:
     """Channels to peers and their checked service info (use from one event loop)."""
 
     def __init__(

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import time
 
-from libs.engine import types as eng
-from libs.engine.encoder_runner import EncoderRunner
+from libs.runtime import types as eng
+from libs.runtime.encoder_runner import EncoderRunner
+from libs.serving.compute_thread import ComputeThread
 from libs.serving.convert import engine_errors
-from libs.serving.engine_loop import EngineThread
 from libs.telemetry.stages import record_stage
 
 
 async def encode_items(
-    engine: EngineThread, runner: EncoderRunner, media: list[eng.MediaInput], field_prefix: str = ""
+    engine: ComputeThread, runner: EncoderRunner, media: list[eng.MediaInput], field_prefix: str = ""
 ) -> list[eng.EncodedItem]:
     """Encode on the engine thread; engine errors become contract errors. The wait for the engine
     thread (behind other encodes) is a queue stage of its own, apart from the service's bookkeeping."""

@@ -10,11 +10,11 @@ from typing import Any, TypeVar
 from opentelemetry import trace
 
 from libs.contract.epd.v1 import chat_pb2, generation_pb2
-from libs.engine import types as eng
-from libs.engine.prefill_runner import PrefillRunner, PrefillTask
+from libs.runtime import types as eng
+from libs.runtime.prefill_runner import PrefillRunner, PrefillTask
+from libs.serving.compute_thread import ComputeThread, DecodeLoop, StepStats
 from libs.serving.convert import chunk_to_wire, engine_errors, messages_to_engine
 from libs.serving.embeddings import FetchedItems, fetch_encoded
-from libs.serving.engine_loop import DecodeLoop, EngineThread, StepStats
 from libs.serving.transport import Transport
 from libs.telemetry.stages import record_duration, stage, start_phase
 
@@ -23,7 +23,7 @@ Streamed = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
 
 
 async def run_prefill(
-    engine: EngineThread,
+    engine: ComputeThread,
     runner: PrefillRunner,
     messages: Sequence[chat_pb2.ChatMessage],
     sampling: eng.SamplingParams,
@@ -46,11 +46,11 @@ async def run_prefill(
 
 
 async def _chunked(
-    engine: EngineThread, runner: PrefillRunner, messages: list[eng.ChatMessage], sampling: eng.SamplingParams
+    engine: ComputeThread, runner: PrefillRunner, messages: list[eng.ChatMessage], sampling: eng.SamplingParams
 ) -> eng.PrefillResult:
     """Prefill in chunks of `runner.chunk_tokens`, each queued by its remaining prompt tokens: between
     two chunks of a long (multimodal) prompt the engine thread runs decode steps and shorter
-    prefills (`EngineThread`: shortest remaining first), so a text request does not wait for a whole
+    prefills (`ComputeThread`: shortest remaining first), so a text request does not wait for a whole
     long prefill, nor do streams stall for one."""
     busy = [0.0]  # seconds the engine thread spent on this prefill (for capacity planning)
 
@@ -73,7 +73,7 @@ async def _chunked(
 
 
 async def fetch_and_prefill(
-    engine: EngineThread,
+    engine: ComputeThread,
     runner: PrefillRunner,
     transport: Transport,
     messages: Sequence[chat_pb2.ChatMessage],

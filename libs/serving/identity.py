@@ -6,9 +6,9 @@ from collections.abc import Iterable
 
 from libs.contract import version
 from libs.contract.epd.v1 import service_info_pb2
-from libs.engine.types import EmbeddingSpec
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.identity import INSTANCE_ID, SOFTWARE_VERSION
+from libs.runtime.types import EmbeddingSpec
 from libs.serving.convert import embedding_spec_to_wire
 from libs.serving.settings import ModelServiceSettings
 

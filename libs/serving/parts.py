@@ -10,7 +10,7 @@ from libs.contract.epd.v1 import service_info_pb2
 from libs.rpc.admission import Admission
 from libs.rpc.drain import drainer
 from libs.rpc.main import HealthSetter, Register, ServiceParts
-from libs.serving.engine_loop import EngineThread
+from libs.serving.compute_thread import ComputeThread
 from libs.serving.servicers import EngineLeases, engine_lease_servicer, lease_servicer, stats_servicer
 from libs.serving.transport import Transport
 
@@ -21,7 +21,7 @@ def model_service_parts(
     admission: Admission,
     other_lanes: Sequence[Admission] = (),
     info: service_info_pb2.ServiceInfo,
-    engine: EngineThread | None,
+    engine: ComputeThread | None,
     transport: Transport | None = None,
     active_sequences: Callable[[], int] = lambda: 0,
     on_close: Callable[[], None] = lambda: None,

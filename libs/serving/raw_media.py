@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 from libs.contract.epd.v1 import chat_pb2, media_pb2
 from libs.contract.errors import InvalidArgument
-from libs.engine.families.base import FamilyAdapter
-from libs.engine.media.limits import MediaLimits
+from libs.runtime.families.base import FamilyAdapter
+from libs.runtime.media.limits import MediaLimits
 from libs.serving import convert
-from libs.serving.engine_loop import EngineThread
+from libs.serving.compute_thread import ComputeThread
 from libs.telemetry.stages import stage
 
 
@@ -52,7 +52,7 @@ def _derive(adapter: FamilyAdapter, items: list[tuple[media_pb2.MediaItem, int]]
 
 
 async def preprocess_raw_media(
-    engine: EngineThread, adapter: FamilyAdapter, items: list[tuple[media_pb2.MediaItem, int]]
+    engine: ComputeThread, adapter: FamilyAdapter, items: list[tuple[media_pb2.MediaItem, int]]
 ) -> None:
     """Decode and preprocess the raw items on the engine thread (where a non-metadata path would)."""
     if items:

@@ -65,7 +65,7 @@ def record_transfer(span: Span, *, nbytes: int, seconds: float, transport: str, 
             "epd.transfer.seconds": seconds,
             "epd.transfer.gib_per_s": nbytes / seconds / (1 << 30) if seconds > 0 else 0.0,
             "epd.transfer.transport": transport,
-            "epd.transfer.peers": peers,
+            "epd.transfer.remote_agents": peers,
         }
     )
     _bytes.add(nbytes, {"epd.transfer.direction": direction, "epd.transfer.transport": transport})

@@ -25,20 +25,20 @@ from libs.transfer.errors import (
 )
 from libs.transfer.handles import ExpectedTensor
 from libs.transfer.leases import LeaseStats
-from libs.transfer.peers import AgentMetadata, MetadataResolver
 from libs.transfer.pool import PoolStats
 from libs.transfer.producer import Reservation, TensorProducer
+from libs.transfer.remote_agents import AgentMetadata, AgentMetadataLookup
 
 __all__ = [
     "AgentClosed",
     "AgentMetadata",
+    "AgentMetadataLookup",
     "BadDescriptor",
     "ChecksumMismatch",
     "DescriptorOutOfBounds",
     "ExpectedTensor",
     "InlineTooLarge",
     "LeaseStats",
-    "MetadataResolver",
     "PeerUnavailable",
     "PoolExhausted",
     "PoolStats",

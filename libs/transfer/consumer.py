@@ -6,7 +6,7 @@ usually from a worker thread (`fetch` blocks; NIXL's `transfer` releases the GIL
 For each NIXL handle, `fetch` / `fetch_many`:
 1. validates it (contract rules, host memory, expected specs, lease not expired) - `BadDescriptor`,
    `SpecMismatch`, `StaleHandle`, all before touching the network;
-2. makes the producer's agent known (`PeerDirectory`: metadata fetched once per incarnation);
+2. makes the producer's agent known (`RemoteAgents`: metadata fetched once per incarnation);
 3. allocates one local slot, builds the tensor views over it, and posts one READ of all the
    handle's tensors into it (`fetch_many` posts every handle's READ before waiting on any). The
    views come first because the copy sweeps the CPU caches: work done after it runs cold;
@@ -54,8 +54,8 @@ from libs.transfer.handles import (
     verify_checksum,
     view_tensor,
 )
-from libs.transfer.peers import MetadataResolver, PeerDirectory
 from libs.transfer.pool import MemoryPool, Slot
+from libs.transfer.remote_agents import AgentMetadataLookup, RemoteAgents
 from libs.transfer.stamp import STAMP_BYTES
 from libs.transfer.stamp import verify as verify_stamp
 
@@ -141,9 +141,9 @@ class _Job:
 class TensorConsumer:
     """Fetches tensors from producers' pools into this process's pool. One per process (agent)."""
 
-    def __init__(self, agent: TransferAgent, resolve_metadata: MetadataResolver) -> None:
+    def __init__(self, agent: TransferAgent, resolve_metadata: AgentMetadataLookup) -> None:
         self.agent = agent
-        self.peers = PeerDirectory(agent, resolve_metadata)
+        self.peers = RemoteAgents(agent, resolve_metadata)
 
     def fetch(
         self,

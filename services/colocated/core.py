@@ -10,15 +10,15 @@ from pathlib import Path
 from libs.contract.epd.v1 import generate_pb2
 from libs.contract.errors import InvalidArgument
 from libs.contract.validation import Limits, validate_generate_request
-from libs.engine.decode_runner import DecodeRunner
-from libs.engine.encoder_runner import EncoderRunner
-from libs.engine.lm_runtime import LanguageModelRuntime
-from libs.engine.prefill_runner import CHUNK_TOKENS, PrefillRunner
-from libs.engine.types import EncodedItem, MediaInput
+from libs.runtime.decode_runner import DecodeRunner
+from libs.runtime.encoder_runner import EncoderRunner
+from libs.runtime.lm_runtime import LanguageModelRuntime
+from libs.runtime.prefill_runner import CHUNK_TOKENS, PrefillRunner
+from libs.runtime.types import EncodedItem, MediaInput
 from libs.serving import convert
+from libs.serving.compute_thread import ComputeThread, DecodeLoop
 from libs.serving.embeddings import FetchedItems
 from libs.serving.encoding import encode_items
-from libs.serving.engine_loop import DecodeLoop, EngineThread
 from libs.serving.generation import run_prefill, stream_after_prefill
 from libs.serving.media_source import media_bytes
 
@@ -40,7 +40,7 @@ class ColocatedCore:
         self.encoder = EncoderRunner(model)
         self.runtime = LanguageModelRuntime(model)
         self.prefill = PrefillRunner(self.runtime, chunk_tokens=chunk_tokens)
-        self.engine = EngineThread("colocated")
+        self.engine = ComputeThread("colocated")
         self.decode = DecodeLoop(DecodeRunner(self.runtime, max_batch=max_batch), self.engine)
 
     async def generate(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:

@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 from libs.contract.epd.v1 import decode_pb2
 from libs.contract.errors import DeadlineExceeded
 from libs.contract.validation import Limits, validate_decode_request
-from libs.engine import types as eng
-from libs.engine.kv import cross_kv_names, kv_names
-from libs.engine.lm_runtime import LanguageModelRuntime
+from libs.runtime import types as eng
+from libs.runtime.kv import cross_kv_names, kv_names
+from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.serving import convert
-from libs.serving.engine_loop import DecodeLoop
+from libs.serving.compute_thread import DecodeLoop
 from libs.serving.generation import decode_stream
 from libs.serving.transport import Transport, transport_name
 from libs.telemetry.stages import record_transfer, stage

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from libs.backends.api import DecodeEngine
 from libs.contract.epd.v1 import decode_pb2
 from libs.contract.validation import Limits, validate_decode_request
-from libs.engines.api import DecodeEngine
 
 
 class EngineDecodeCore:

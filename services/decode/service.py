@@ -8,15 +8,15 @@ from typing import Any
 
 import torch
 
+from libs.backends.api import engine_capabilities
+from libs.backends.identity import PAGED_KV
+from libs.backends.settings import EngineSettings
 from libs.config import setting
 from libs.contract.epd.v1 import decode_pb2, decode_pb2_grpc, service_info_pb2
-from libs.engines.api import engine_capabilities
-from libs.engines.identity import PAGED_KV
-from libs.engines.settings import EngineSettings
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
-from libs.serving.engine_loop import DecodeLoop, EngineThread
+from libs.serving.compute_thread import ComputeThread, DecodeLoop
 from libs.serving.identity import model_identity, service_info
 from libs.serving.parts import model_service_parts
 from libs.serving.transport import Transport, transfer_config
@@ -43,7 +43,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
 
 async def _vllm_setup(settings: DecodeSettings) -> ServiceParts:
-    from libs.engines.vllm.decode import VllmDecode  # imports vLLM (~15 s): only when chosen
+    from libs.backends.vllm.decode import VllmDecode  # imports vLLM (~15 s): only when chosen
 
     engine = await VllmDecode.start(settings)
     # Requests beyond vLLM's batch (max_num_seqs = max_batch) wait in admission, not in vLLM: a
@@ -69,15 +69,15 @@ async def _vllm_setup(settings: DecodeSettings) -> ServiceParts:
 async def setup(settings: DecodeSettings) -> ServiceParts:
     if settings.engine == "vllm":
         return await _vllm_setup(settings)
-    from libs.engine.decode_runner import DecodeRunner
-    from libs.engine.lm_runtime import LanguageModelRuntime
+    from libs.runtime.decode_runner import DecodeRunner
+    from libs.runtime.lm_runtime import LanguageModelRuntime
     from libs.serving.speech import speech_capabilities
 
     torch.set_num_threads(settings.torch_threads)
     runtime = LanguageModelRuntime(settings.model)
     identity = model_identity(settings, runtime.weights_digest)
     transport = Transport(transfer_config(settings, "decode"), identity, produce=False, consume=True)
-    engine = EngineThread("decode")
+    engine = ComputeThread("decode")
     loop = DecodeLoop(DecodeRunner(runtime, max_batch=settings.max_batch), engine)
     # Requests beyond the decode batch wait in admission instead of failing in the runner.
     admission = Admission("decode", min(settings.max_running, settings.max_batch), settings.max_waiting)

@@ -22,11 +22,11 @@ from libs.cache.entry import CacheEntry
 from libs.contract.epd.v1 import encoder_pb2, layout_pb2, tensor_pb2
 from libs.contract.errors import NotFound
 from libs.contract.validation import Limits, validate_encode_request
-from libs.engine.encoder_runner import EncoderRunner, media_hash
-from libs.engine.types import EncodedItem, MediaInput
+from libs.runtime.encoder_runner import EncoderRunner, media_hash
+from libs.runtime.types import EncodedItem, MediaInput
 from libs.serving import convert
+from libs.serving.compute_thread import ComputeThread
 from libs.serving.encoding import encode_items
-from libs.serving.engine_loop import EngineThread
 from libs.serving.media_source import media_bytes
 from libs.serving.transport import Transport
 from libs.telemetry.stages import stage
@@ -37,7 +37,7 @@ class EncoderCore:
         self,
         runner: EncoderRunner,
         transport: Transport,
-        engine: EngineThread,
+        engine: ComputeThread,
         *,
         limits: Limits | None = None,
         file_root: Path | None = None,

@@ -13,12 +13,12 @@ from libs.cache.store import MooncakeStoreClient, StoreConfig
 from libs.config import setting
 from libs.contract.epd.v1 import encoder_pb2, encoder_pb2_grpc, service_info_pb2
 from libs.contract.epd.v1.service_info_pb2 import ModelIdentity
-from libs.engine.encoder_runner import EncoderRunner
-from libs.engine.types import dtype_name
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
-from libs.serving.engine_loop import EngineThread
+from libs.runtime.encoder_runner import EncoderRunner
+from libs.runtime.types import dtype_name
+from libs.serving.compute_thread import ComputeThread
 from libs.serving.identity import model_identity, service_info
 from libs.serving.parts import model_service_parts
 from libs.serving.settings import ModelServiceSettings
@@ -55,7 +55,7 @@ async def setup(settings: EncoderSettings) -> ServiceParts:
     runner = EncoderRunner(settings.model)
     identity = model_identity(settings, runner.weights_digest)
     transport = Transport(transfer_config(settings, "encoder"), identity, produce=True, consume=False)
-    engine = EngineThread("encoder")
+    engine = ComputeThread("encoder")
     admission = Admission("encoder", settings.max_running, settings.max_waiting)
     cached_lane = Admission("encoder.cached", settings.cached_max_running, settings.max_waiting)
     cache, store = _cache(settings, runner, identity)

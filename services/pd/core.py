@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from libs.backends.api import PrefillDecodeEngine
 from libs.contract.epd.v1 import prefill_decode_pb2
 from libs.contract.validation import Limits, validate_prefill_decode_request
-from libs.engines.api import PrefillDecodeEngine
 from libs.serving import convert
 
 

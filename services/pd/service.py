@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from libs.backends.api import PrefillDecodeEngine, engine_capabilities
+from libs.backends.settings import EngineSettings
 from libs.contract.epd.v1 import prefill_decode_pb2, prefill_decode_pb2_grpc, service_info_pb2
-from libs.engines.api import PrefillDecodeEngine, engine_capabilities
-from libs.engines.settings import EngineSettings
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
@@ -42,11 +42,11 @@ class PrefillDecodeServicer(prefill_decode_pb2_grpc.PrefillDecodeServiceServicer
 
 async def _engine(settings: PrefillDecodeSettings) -> tuple[PrefillDecodeEngine, Transport | None]:
     if settings.engine == "vllm":
-        from libs.engines.vllm.pd import VllmPrefillDecode  # imports vLLM (~15 s): only when chosen
+        from libs.backends.vllm.pd import VllmPrefillDecode  # imports vLLM (~15 s): only when chosen
 
         return await VllmPrefillDecode.start(settings), None
-    from libs.engine.lm_runtime import LanguageModelRuntime
-    from libs.engines.reference.pd import ReferencePrefillDecode
+    from libs.backends.reference.pd import ReferencePrefillDecode
+    from libs.runtime.lm_runtime import LanguageModelRuntime
 
     torch.set_num_threads(settings.torch_threads)
     runtime = LanguageModelRuntime(settings.model)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from libs.contract.epd.v1 import prefill_pb2, tensor_pb2
 from libs.contract.validation import Limits, validate_prefill_request
-from libs.engine.prefill_runner import PrefillRunner
+from libs.runtime.prefill_runner import PrefillRunner
 from libs.serving import convert
-from libs.serving.engine_loop import EngineThread
+from libs.serving.compute_thread import ComputeThread
 from libs.serving.generation import fetch_and_prefill
 from libs.serving.raw_media import preprocess_raw_media, take_raw_media
 from libs.serving.transport import Transport
@@ -26,7 +26,7 @@ class PrefillCore:
         self,
         runner: PrefillRunner,
         transport: Transport,
-        engine: EngineThread,
+        engine: ComputeThread,
         *,
         limits: Limits | None = None,
         accept_raw_media: bool = False,

@@ -3,9 +3,9 @@ keeps the KV in its own blocks for decode): validate the request, then hand it t
 
 from __future__ import annotations
 
+from libs.backends.api import PrefillEngine
 from libs.contract.epd.v1 import prefill_pb2
 from libs.contract.validation import Limits, validate_prefill_request
-from libs.engines.api import PrefillEngine
 
 
 class EnginePrefillCore:

@@ -7,15 +7,15 @@ from typing import Any
 
 import torch
 
+from libs.backends.api import engine_capabilities
+from libs.backends.identity import PAGED_KV
+from libs.backends.settings import EngineSettings
 from libs.config import setting
 from libs.contract.epd.v1 import prefill_pb2, prefill_pb2_grpc, service_info_pb2
-from libs.engines.api import engine_capabilities
-from libs.engines.identity import PAGED_KV
-from libs.engines.settings import EngineSettings
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
-from libs.serving.engine_loop import EngineThread
+from libs.serving.compute_thread import ComputeThread
 from libs.serving.identity import model_identity, service_info
 from libs.serving.parts import model_service_parts
 from libs.serving.settings import ChunkedPrefillSettings
@@ -45,7 +45,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
 
 async def _vllm_setup(settings: PrefillSettings) -> ServiceParts:
-    from libs.engines.vllm.prefill import VllmPrefill  # imports vLLM (~15 s): only when chosen
+    from libs.backends.vllm.prefill import VllmPrefill  # imports vLLM (~15 s): only when chosen
 
     engine = await VllmPrefill.start(settings)
     admission = Admission("prefill", settings.max_running, settings.max_waiting)
@@ -71,15 +71,15 @@ async def _vllm_setup(settings: PrefillSettings) -> ServiceParts:
 async def setup(settings: PrefillSettings) -> ServiceParts:
     if settings.engine == "vllm":
         return await _vllm_setup(settings)
-    from libs.engine.lm_runtime import LanguageModelRuntime
-    from libs.engine.prefill_runner import PrefillRunner
+    from libs.runtime.lm_runtime import LanguageModelRuntime
+    from libs.runtime.prefill_runner import PrefillRunner
     from libs.serving.speech import speech_capabilities, transcription_spec
 
     torch.set_num_threads(settings.torch_threads)
     runtime = LanguageModelRuntime(settings.model)
     identity = model_identity(settings, runtime.weights_digest)
     transport = Transport(transfer_config(settings, "prefill"), identity, produce=True, consume=True)
-    engine = EngineThread("prefill")
+    engine = ComputeThread("prefill")
     admission = Admission("prefill", settings.max_running, settings.max_waiting)
     runner = PrefillRunner(runtime, chunk_tokens=settings.prefill_chunk_tokens)
     core = PrefillCore(runner, transport, engine, accept_raw_media=settings.accept_raw_media)

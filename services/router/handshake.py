@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 
+from libs.backends.identity import engine_of
 from libs.cache.keys import CACHED_ONLY
 from libs.contract.epd.v1 import service_info_pb2
 from libs.contract.errors import EpdError, FailedPrecondition, Unavailable
-from libs.engines.identity import engine_of
-from libs.rpc.peers import PeerDirectory, check_embedding_specs, check_peer
+from libs.rpc.peers import PeerChannels, check_embedding_specs, check_peer
 from services.router.pool import MemberPool
 
 ROLE = service_info_pb2
@@ -43,7 +43,7 @@ class BackendChecks:
     prefill (or PD) member's that passes; every other member must serve the same one, and a KV
     cache moves only between a prefill and a decode of the same engine."""
 
-    def __init__(self, peers: PeerDirectory, *, prefill: MemberPool, decode: MemberPool | None) -> None:
+    def __init__(self, peers: PeerChannels, *, prefill: MemberPool, decode: MemberPool | None) -> None:
         self._peers = peers
         self._prefill = prefill  # the prefill pool (E/P/D) or the PD pool (E+PD)
         self._decode = decode

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import structlog
 
-from libs.rpc.peers import PeerDirectory
+from libs.rpc.peers import PeerChannels
 from services.router.encoders import EncoderPool
 from services.router.pool import MemberPool
 
@@ -186,7 +186,7 @@ class Membership:
             self._task = None
 
 
-async def follow(pool: MemberPool, source: Source, *, refresh_s: float, peers: PeerDirectory) -> Membership:
+async def follow(pool: MemberPool, source: Source, *, refresh_s: float, peers: PeerChannels) -> Membership:
     """Keep `pool` at `source`'s members, read once now; dynamic sources keep being re-read once
     `Membership.start()` runs. Channels to departed members are closed once their last call ended."""
 
@@ -200,7 +200,7 @@ async def follow(pool: MemberPool, source: Source, *, refresh_s: float, peers: P
 
 
 async def encoder_pool(
-    values: Sequence[str], *, slack: int, refresh_s: float, peers: PeerDirectory
+    values: Sequence[str], *, slack: int, refresh_s: float, peers: PeerChannels
 ) -> tuple[EncoderPool, Membership]:
     """The router's encoder pool from `--encoders` (see `follow`)."""
     source = Source.parse(values)
@@ -209,7 +209,7 @@ async def encoder_pool(
 
 
 async def member_pool(
-    values: Sequence[str], *, stage: str, refresh_s: float, peers: PeerDirectory
+    values: Sequence[str], *, stage: str, refresh_s: float, peers: PeerChannels
 ) -> tuple[MemberPool, Membership]:
     """The pool of one stage (prefill, decode, pd) from its setting `--STAGE` (see `follow`)."""
     source = Source.parse(values, f"--{stage}")

@@ -25,7 +25,7 @@ from libs.rpc.admission import Admission, admitted
 from libs.rpc.drain import drainer
 from libs.rpc.identity import INSTANCE_ID, SOFTWARE_VERSION
 from libs.rpc.main import ServiceParts, client_facing, service_main
-from libs.rpc.peers import PeerDirectory
+from libs.rpc.peers import PeerChannels
 from services.router.cache_lookup import CacheLookup
 from services.router.core import Backends, Router, Stages
 from services.router.handshake import BackendChecks
@@ -90,7 +90,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     """Wire the router from settings; channels to every backend are shared through one directory."""
     if not settings.encoders:
         raise SystemExit("router: --encoders is required")
-    peers = PeerDirectory()  # roles are checked per backend by BackendChecks
+    peers = PeerChannels()  # roles are checked per backend by BackendChecks
     encoder = lambda a: encoder_pb2_grpc.EncoderServiceStub(peers.channel(a))  # noqa: E731
     lease = lambda a: lease_pb2_grpc.LeaseServiceStub(peers.channel(a))  # noqa: E731
     stages = Stages()

@@ -689,7 +689,7 @@ def main() -> None:
     chosen = set(ns.experiments)
     if "all" in chosen:
         chosen = {"p3", "p8", "p7", "p7v", "p4", "p5"}
-    from libs.engine.checkpoints import ensure_checkpoint
+    from libs.runtime.checkpoints import ensure_checkpoint
 
     OUT = ns.out
     model = ensure_checkpoint("qwen2_5_omni", ns.size)

@@ -48,7 +48,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def _environment(variant: dict[str, Any], port: int) -> None:
-    from libs.engines.vllm import runtime
+    from libs.backends.vllm import runtime
 
     runtime.loopback_environment()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
@@ -71,7 +71,7 @@ def _engine_args(model: str, variant: dict[str, Any], role: str) -> dict[str, An
     elif variant["connector"] == "epd":
         args["kv_transfer_config"] = KVTransferConfig(
             kv_connector="EpdNixlConnector",
-            kv_connector_module_path="libs.engines.vllm.kv_connector",
+            kv_connector_module_path="libs.backends.vllm.kv_connector",
             kv_role=role,
             kv_buffer_device="cpu",
             kv_connector_extra_config=dict(variant.get("extra", {})),
@@ -208,7 +208,7 @@ def main() -> None:
     if ns.variant:
         run_variant(ns.variant[0], ns.variant[1], ns.requests, ns.tokens)
         return
-    from libs.engine.checkpoints import ensure_checkpoint
+    from libs.runtime.checkpoints import ensure_checkpoint
 
     model = str(ensure_checkpoint(ns.family, "tiny"))
     results = []

@@ -22,8 +22,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from libs.engine.checkpoints import ensure_checkpoint  # noqa: E402
 from libs.launch.stack import Stack, StackSpec  # noqa: E402
+from libs.runtime.checkpoints import ensure_checkpoint  # noqa: E402
 from tests.support.vllm_stack import PROMPT, TOKENS, call, mixes, request  # noqa: E402
 
 _KIND = {1: "image", 2: "video", 3: "audio"}  # media_pb2.Modality values

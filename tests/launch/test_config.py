@@ -241,7 +241,7 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
     import grpc
 
     from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
-    from libs.engine.checkpoints import ensure_checkpoint
+    from libs.runtime.checkpoints import ensure_checkpoint
 
     model = ensure_checkpoint("qwen2_5_omni", "tiny")
     doc = {

@@ -12,7 +12,7 @@ from libs.contract.epd.v1 import media_pb2, service_info_pb2, tensor_pb2
 from libs.contract.errors import FailedPrecondition, Unavailable
 from libs.contract.version import CONTRACT_MINOR
 from libs.launch.process import free_port
-from libs.rpc.peers import PeerDirectory, check_embedding_specs
+from libs.rpc.peers import PeerChannels, check_embedding_specs
 from libs.rpc.server import EpdServer, ServerOptions
 
 pytestmark = pytest.mark.unit
@@ -50,7 +50,7 @@ def test_handshake_checks_and_caches() -> None:
         peer = Peer()
         server = EpdServer(ServerOptions(), peer)
         await server.start()
-        peers = PeerDirectory(roles=[ENCODER], model=MODEL)
+        peers = PeerChannels(roles=[ENCODER], model=MODEL)
         try:
             info = await peers.info(server.address)
             assert info.instance_id == "one"
@@ -85,14 +85,14 @@ def test_handshake_checks_and_caches() -> None:
                 await peers.info(server.address, refresh=True)
             peer.info.model.CopyFrom(MODEL)
 
-            other = PeerDirectory(roles=[service_info_pb2.SERVICE_ROLE_DECODE])
+            other = PeerChannels(roles=[service_info_pb2.SERVICE_ROLE_DECODE])
             with pytest.raises(
                 FailedPrecondition, match="role SERVICE_ROLE_ENCODER; expected one of SERVICE_ROLE_DECODE"
             ):
                 await other.info(server.address)
             await other.close()
 
-            gone = PeerDirectory(roles=[ENCODER], timeout_s=1.0)
+            gone = PeerChannels(roles=[ENCODER], timeout_s=1.0)
             with pytest.raises(Unavailable, match="unreachable"):
                 await gone.info(f"127.0.0.1:{free_port()}")
             await gone.close()

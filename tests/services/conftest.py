@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from libs.engine.checkpoints import ensure_checkpoint
-from libs.engine.encoder_runner import EncoderRunner
-from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.launch.stack import Stack, StackSpec
+from libs.runtime.checkpoints import ensure_checkpoint
+from libs.runtime.encoder_runner import EncoderRunner
+from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.telemetry.spans import OtlpReceiver
 from tests.support.golden import expected_tokens
 from tests.support.reference import load_reference

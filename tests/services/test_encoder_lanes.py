@@ -21,9 +21,9 @@ from libs.contract.epd.v1 import (
     stats_pb2_grpc,
     tensor_pb2,
 )
-from libs.engine.media import synthetic
 from libs.launch.process import ServiceProcess
 from libs.rpc.server import channel_options
+from libs.runtime.media import synthetic
 
 pytestmark = pytest.mark.integration
 

@@ -28,10 +28,10 @@ from libs.contract.epd.v1 import (
     tensor_pb2,
 )
 from libs.contract.grpc_status import ERROR_FIELD_METADATA_KEY
-from libs.engine.checkpoints import ensure_checkpoint
-from libs.engine.media import synthetic
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack, StackSpec
+from libs.runtime.checkpoints import ensure_checkpoint
+from libs.runtime.media import synthetic
 from libs.telemetry.spans import OtlpReceiver, SpanRecord
 from services.router.encoders import _weight as rendezvous_weight
 from tests.support.golden import request_for

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from libs.engine.checkpoints import ensure_checkpoint
-from libs.engine.lm_runtime import LanguageModelRuntime
-from libs.engine.types import Modality
 from libs.launch.stack import Stack, StackSpec
+from libs.runtime.checkpoints import ensure_checkpoint
+from libs.runtime.lm_runtime import LanguageModelRuntime
+from libs.runtime.types import Modality
 from tests.support.golden import expected_tokens, request_for
 from tests.support.mixes import mixes
 from tests.support.reference import load_reference

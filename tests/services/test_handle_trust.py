@@ -24,8 +24,8 @@ from libs.contract.epd.v1 import (
     service_info_pb2_grpc,
     tensor_pb2,
 )
-from libs.engine.media import synthetic
 from libs.launch.stack import Stack
+from libs.runtime.media import synthetic
 from libs.transfer.stamp import CAPABILITY, CHECKSUMS_CAPABILITY
 from tests.support.stacks import wait_pools_empty
 

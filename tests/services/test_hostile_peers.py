@@ -22,9 +22,9 @@ from libs.contract.epd.v1 import (
     media_pb2,
     tensor_pb2,
 )
-from libs.engine.media import synthetic
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack
+from libs.runtime.media import synthetic
 from libs.telemetry.spans import OtlpReceiver, SpanRecord
 from tests.support.golden import request_for
 from tests.support.interposer import Interposer

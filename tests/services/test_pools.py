@@ -26,9 +26,9 @@ import grpc
 import pytest
 
 from libs.contract.epd.v1 import lease_pb2, lease_pb2_grpc, prefill_pb2, prefill_pb2_grpc, tensor_pb2
-from libs.engine.encoder_runner import EncoderRunner
-from libs.engine.lm_runtime import LanguageModelRuntime
 from libs.launch.process import ServiceProcess, free_port
+from libs.runtime.encoder_runner import EncoderRunner
+from libs.runtime.lm_runtime import LanguageModelRuntime
 from tests.support.golden import expected_tokens, request_for
 from tests.support.load import Load, png_image
 from tests.support.reference import load_reference

@@ -29,11 +29,11 @@ from libs.cache.process import start_store
 from libs.cache.store import MooncakeStoreClient, StoreConfig
 from libs.client.generate import build_request
 from libs.contract.epd.v1 import generate_pb2, media_pb2, sampling_pb2, service_info_pb2, service_info_pb2_grpc
-from libs.engine.encoder_runner import EncoderRunner
-from libs.engine.media import synthetic
-from libs.engine.types import dtype_name
 from libs.launch.process import free_port
 from libs.launch.stack import Stack, StackSpec
+from libs.runtime.encoder_runner import EncoderRunner
+from libs.runtime.media import synthetic
+from libs.runtime.types import dtype_name
 from libs.serving.convert import media_input
 from libs.telemetry.report import breakdowns
 from libs.telemetry.spans import by_trace, load_jsonl

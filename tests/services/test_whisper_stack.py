@@ -17,9 +17,9 @@ import pytest
 
 from libs.client.transcribe import audio_item, transcription_request
 from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
-from libs.engine.checkpoints.generate import ensure_converted
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack, StackSpec
+from libs.runtime.checkpoints.generate import ensure_converted
 from libs.serving.speech import SPEECH_TRANSCRIPTION
 from tests.support.epd_cli import parse_table, run_epd
 from tests.support.metrics import counter_total

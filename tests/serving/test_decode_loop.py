@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from libs.engine.types import FinishReason, TokenChunk
-from libs.serving.engine_loop import DecodeLoop, EngineThread, StepStats
+from libs.runtime.types import FinishReason, TokenChunk
+from libs.serving.compute_thread import ComputeThread, DecodeLoop, StepStats
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +46,7 @@ class _Runner:
 
 def test_each_sequence_counts_its_steps_engine_time_and_batch_sizes() -> None:
     async def run() -> tuple[StepStats, StepStats]:
-        engine = EngineThread("test")
+        engine = ComputeThread("test")
         loop = DecodeLoop(_Runner(), engine)  # type: ignore[arg-type]
         short, long = StepStats(), StepStats()
 

@@ -8,12 +8,12 @@ import threading
 
 import pytest
 
-from libs.serving.engine_loop import EngineThread
+from libs.serving.compute_thread import ComputeThread
 
 pytestmark = pytest.mark.unit
 
 
-async def _hold_thread(engine: EngineThread, gate: threading.Event) -> asyncio.Future[object]:
+async def _hold_thread(engine: ComputeThread, gate: threading.Event) -> asyncio.Future[object]:
     """A job that holds the engine thread until `gate` is set, once the thread is running it (an
     event, not a sleep: a loaded host may take a while to schedule the thread)."""
     running = threading.Event()
@@ -27,7 +27,7 @@ async def _hold_thread(engine: EngineThread, gate: threading.Event) -> asyncio.F
     return blocker
 
 
-async def _until_queued(engine: EngineThread, count: int) -> None:
+async def _until_queued(engine: ComputeThread, count: int) -> None:
     """Until `count` jobs wait in the queue (the submitting tasks run on this loop's next turns)."""
     for _ in range(3000):  # bounded: 30 s
         if engine.queued() == count:
@@ -38,7 +38,7 @@ async def _until_queued(engine: EngineThread, count: int) -> None:
 
 def test_jobs_run_by_priority_then_arrival() -> None:
     async def scenario() -> list[str]:
-        engine = EngineThread("t", aging_per_s=0.0)
+        engine = ComputeThread("t", aging_per_s=0.0)
         gate = threading.Event()
         order: list[str] = []
         blocker = await _hold_thread(engine, gate)  # holds the thread while jobs queue
@@ -67,7 +67,7 @@ def test_jobs_run_by_priority_then_arrival() -> None:
 
 def test_a_long_wait_ages_a_job_ahead() -> None:
     async def scenario() -> list[str]:
-        engine = EngineThread("t", aging_per_s=10_000.0)  # 10k tokens of priority per second waited
+        engine = ComputeThread("t", aging_per_s=10_000.0)  # 10k tokens of priority per second waited
         gate = threading.Event()
         order: list[str] = []
         blocker = await _hold_thread(engine, gate)
@@ -86,7 +86,7 @@ def test_a_long_wait_ages_a_job_ahead() -> None:
 
 def test_cancelled_jobs_are_skipped_and_errors_reach_the_caller() -> None:
     async def scenario() -> list[str]:
-        engine = EngineThread("t")
+        engine = ComputeThread("t")
         gate = threading.Event()
         ran: list[str] = []
         blocker = await _hold_thread(engine, gate)
@@ -106,7 +106,7 @@ def test_cancelled_jobs_are_skipped_and_errors_reach_the_caller() -> None:
 
 def test_shutdown_cancels_what_has_not_started() -> None:
     async def scenario() -> None:
-        engine = EngineThread("t")
+        engine = ComputeThread("t")
         gate = threading.Event()
         blocker = await _hold_thread(engine, gate)
         pending = asyncio.ensure_future(engine.run(lambda: "never"))

@@ -11,7 +11,7 @@ import torch
 from libs.cache.entry import CacheEntry
 from libs.cache.keys import CacheKey, Namespace, content_hash
 from libs.cache.store import OBJECT_NOT_FOUND, StoreResult, StoreStatus
-from libs.engine.types import (
+from libs.runtime.types import (
     AudioLayout,
     EmbeddingSpec,
     ExtraTensorSpec,

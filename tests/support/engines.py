@@ -1,5 +1,5 @@
 """In-process engines of the tiny checkpoints: one family's checkpoint, runners and reference
-model, each built on first use (the tests/engine fixtures hand out one `Engines` per family)."""
+model, each built on first use (the tests/runtime fixtures hand out one `Engines` per family)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from libs.engine.checkpoints import ensure_checkpoint
-from libs.engine.encoder_runner import EncoderRunner
-from libs.engine.lm_runtime import LanguageModelRuntime
-from libs.engine.prefill_runner import PrefillRunner
+from libs.runtime.checkpoints import ensure_checkpoint
+from libs.runtime.encoder_runner import EncoderRunner
+from libs.runtime.lm_runtime import LanguageModelRuntime
+from libs.runtime.prefill_runner import PrefillRunner
 from tests.support.reference import load_reference
 
 FAMILIES = ("qwen2_5_omni", "qwen2_5_vl", "qwen3_vl")

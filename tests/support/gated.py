@@ -46,7 +46,7 @@ def _wait_blocking(gate: Path) -> None:
 
 def hold_streams(prefix: str, gate: Path) -> None:
     """Patch `DecodeLoop.stream`: requests whose id starts with `prefix` wait for `gate` first."""
-    from libs.serving.engine_loop import DecodeLoop
+    from libs.serving.compute_thread import DecodeLoop
 
     stream = DecodeLoop.stream
 

@@ -17,7 +17,7 @@ import av
 import numpy as np
 from PIL import Image
 
-from libs.engine.media import synthetic
+from libs.runtime.media import synthetic
 
 
 @dataclass(frozen=True)

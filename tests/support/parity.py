@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from libs.engine.encoder_runner import media_hash
-from libs.engine.errors import EngineError, InvalidMediaError
-from libs.engine.families.base import FamilyAdapter, PreparedItem
-from libs.engine.media.limits import MediaLimits
-from libs.engine.prompt import build_prompt
-from libs.engine.types import (
+from libs.runtime.encoder_runner import media_hash
+from libs.runtime.errors import EngineError, InvalidMediaError
+from libs.runtime.families.base import FamilyAdapter, PreparedItem
+from libs.runtime.media.limits import MediaLimits
+from libs.runtime.prompt import build_prompt
+from libs.runtime.types import (
     ChatMessage,
     ChatRole,
     EncodedItem,
@@ -130,9 +130,9 @@ def compare(
 
 
 def table() -> list[Comparison]:
-    from libs.engine.checkpoints import ensure_checkpoint
-    from libs.engine.encoder_runner import EncoderRunner
-    from libs.engine.lm_runtime import LanguageModelRuntime
+    from libs.runtime.checkpoints import ensure_checkpoint
+    from libs.runtime.encoder_runner import EncoderRunner
+    from libs.runtime.lm_runtime import LanguageModelRuntime
     from tests.support import media_set
 
     rows = []

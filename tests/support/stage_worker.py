@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from libs.engine.decode_runner import DecodeRunner
-from libs.engine.encoder_runner import EncoderRunner
-from libs.engine.errors import EngineError
-from libs.engine.lm_runtime import LanguageModelRuntime
-from libs.engine.prefill_runner import PrefillRunner
-from libs.engine.types import (
+from libs.runtime.decode_runner import DecodeRunner
+from libs.runtime.encoder_runner import EncoderRunner
+from libs.runtime.errors import EngineError
+from libs.runtime.lm_runtime import LanguageModelRuntime
+from libs.runtime.prefill_runner import PrefillRunner
+from libs.runtime.types import (
     ChatMessage,
     ChatRole,
     EncodedItem,

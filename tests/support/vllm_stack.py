@@ -34,14 +34,14 @@ from libs.contract.epd.v1 import (
     stats_pb2_grpc,
     tensor_pb2,
 )
-from libs.engine import types as eng
-from libs.engine.decode_runner import DecodeRunner
-from libs.engine.encoder_runner import EncoderRunner
-from libs.engine.lm_runtime import LanguageModelRuntime
-from libs.engine.media import synthetic
-from libs.engine.prefill_runner import PrefillRunner
 from libs.launch.process import ServiceProcess
 from libs.rpc.server import open_channel as service_channel
+from libs.runtime import types as eng
+from libs.runtime.decode_runner import DecodeRunner
+from libs.runtime.encoder_runner import EncoderRunner
+from libs.runtime.lm_runtime import LanguageModelRuntime
+from libs.runtime.media import synthetic
+from libs.runtime.prefill_runner import PrefillRunner
 
 TOKENS = 8
 PROMPT = "Describe what you see and hear."

@@ -11,7 +11,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from libs.engine.types import (
+from libs.runtime.types import (
     DTYPE_BY_NAME,
     AudioLayout,
     DecodeState,

@@ -26,7 +26,7 @@ from libs.transfer.handles import (
     verify_checksum,
     view_tensor,
 )
-from libs.transfer.peers import PeerDirectory
+from libs.transfer.remote_agents import RemoteAgents
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -118,7 +118,7 @@ def test_config_rejects_nonsense() -> None:
 
 
 class StubAgent:
-    """Records what PeerDirectory asks of the NIXL agent."""
+    """Records what RemoteAgents asks of the NIXL agent."""
 
     def __init__(self) -> None:
         self.loaded: list[bytes] = []
@@ -139,7 +139,7 @@ def ref(name: str, instance: str) -> tensor_pb2.NixlAgentRef:
 def test_metadata_is_fetched_once_per_incarnation_and_refetched_after_a_restart() -> None:
     agent = StubAgent()
     blobs = {"1": b"enc@1", "2": b"enc@2"}
-    directory = PeerDirectory(agent, lambda r: blobs[r.instance_id])  # type: ignore[arg-type]
+    directory = RemoteAgents(agent, lambda r: blobs[r.instance_id])  # type: ignore[arg-type]
     for _ in range(3):
         assert directory.ensure(ref("enc", "1")) == "enc"
     assert directory.resolve_calls == 1
@@ -161,7 +161,7 @@ def test_resolver_failure_is_peer_unavailable_and_is_retried_next_time() -> None
             raise ConnectionError("connection refused")
         return b"enc@1"
 
-    directory = PeerDirectory(agent, flaky)  # type: ignore[arg-type]
+    directory = RemoteAgents(agent, flaky)  # type: ignore[arg-type]
     with pytest.raises(PeerUnavailable) as info:
         directory.ensure(ref("enc", "1"))
     assert info.value.grpc_code == grpc.StatusCode.UNAVAILABLE
@@ -169,6 +169,6 @@ def test_resolver_failure_is_peer_unavailable_and_is_retried_next_time() -> None
 
 
 def test_metadata_of_another_agent_means_the_handle_is_stale() -> None:
-    directory = PeerDirectory(StubAgent(), lambda r: b"enc-new@2")  # type: ignore[arg-type]
+    directory = RemoteAgents(StubAgent(), lambda r: b"enc-new@2")  # type: ignore[arg-type]
     with pytest.raises(StaleHandle, match="restarted"):
         directory.ensure(ref("enc-old", "1"))

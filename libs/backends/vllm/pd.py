@@ -1,0 +1,129 @@
+"""Prefill + decode on vLLM (the PD role of the E+PD layout).
+
+The service validates and plans each request (`requests.py`), resolves the encoders' NIXL agent
+metadata (first-contact check of each encoder, cached per incarnation), and submits it to
+`AsyncLLM`; vLLM's worker reads the embeddings itself through the project's EC connector. Tokens
+stream back per step (`RequestOutputKind.DELTA`). A request whose embeddings could not be read
+fails with the transfer's typed status before any token is streamed; a dead engine fails its
+requests with UNAVAILABLE and is restarted (`supervisor.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from libs.backends.api import Streamed
+from libs.backends.settings import EngineSettings
+from libs.backends.vllm import runtime
+from libs.backends.vllm.requests import RequestPlanner, failure_path
+from libs.backends.vllm.streams import EncoderAgents, count_embedding_bytes, next_output, raise_load_failure
+from libs.backends.vllm.supervisor import EngineSupervisor
+from libs.contract.epd.v1 import chat_pb2, generation_pb2
+from libs.contract.errors import EpdError
+from libs.runtime import types as eng
+from libs.serving.identity import model_identity
+from libs.telemetry.stages import record_duration, stage, start_phase
+
+_log = structlog.get_logger(__name__)
+_FINISH = {"length": eng.FinishReason.LENGTH}
+
+
+class VllmPrefillDecode:
+    """`PrefillDecodeEngine` on vLLM's AsyncLLM."""
+
+    name = "vllm"
+
+    def __init__(self, settings: EngineSettings, planner: RequestPlanner, failure_dir: Path) -> None:
+        self.planner = planner
+        self.weights_digest = planner.checkpoint.weights_digest()
+        self._agents = EncoderAgents(model_identity(settings, self.weights_digest))
+        self._failure_dir = failure_dir
+        self._default_max_tokens = 256  # as the reference runtime
+        self.supervisor = EngineSupervisor(
+            lambda: runtime.build_engine(settings, failure_dir=failure_dir, ec_consumer=True)
+        )
+        self._active = 0
+
+    @classmethod
+    async def start(cls, settings: EngineSettings) -> VllmPrefillDecode:
+        planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
+        failure_dir = Path(tempfile.mkdtemp(prefix="epd-vllm-failures-"))
+        engine = cls(settings, planner, failure_dir)
+        await engine.supervisor.start()
+        return engine
+
+    def expected_specs(self) -> list[eng.EmbeddingSpec]:
+        return self.planner.expected_specs()
+
+    @property
+    def active(self) -> int:
+        """Requests in this service's streams, or still held by vLLM (its own count: a cancelled
+        request is done only once vLLM aborted it and freed its blocks)."""
+        held = 0
+        if self.supervisor.alive:
+            held = int(self.supervisor.current().get_num_unfinished_requests())
+        return max(self._active, held)
+
+    def watch_health(self, setter: Any) -> None:
+        self.supervisor.watch_health(setter)
+
+    async def generate(
+        self,
+        request_id: str,
+        messages: Sequence[chat_pb2.ChatMessage],
+        sampling: eng.SamplingParams,
+        deadline: float | None,
+        priority: int = 0,
+    ) -> AsyncIterator[Streamed]:
+        planned = await asyncio.to_thread(self.planner.plan, request_id, messages, sampling, self._agents, deadline)
+        params = runtime.sampling_params(sampling, self._default_max_tokens, planned.items)
+        llm = self.supervisor.current()
+        failure = failure_path(self._failure_dir, request_id)
+        self._active += 1
+        generated = 0
+        started = time.perf_counter()
+        span = None
+        try:
+            stream = llm.generate(planned.prompt, params, request_id, priority=runtime.engine_priority(priority))
+            with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as prefill_span:
+                first = await next_output(stream, deadline)
+                prefill_span.set_attribute("epd.prompt_tokens", len(first.prompt_token_ids or ()))
+            raise_load_failure(failure)  # before anything built on missing embeddings is streamed
+            count_embedding_bytes(planned.items)
+            span = start_phase("decode.generate", **{"epd.stage": "decode", "epd.engine": "vllm"})
+            out: Any = first
+            while True:
+                chunk, finished = runtime.chunk(out)
+                generated += len(chunk.token_ids)
+                usage = None
+                if finished:
+                    prompt_tokens = len(out.prompt_token_ids or ())
+                    usage = generation_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=generated)
+                yield chunk, usage
+                if finished:
+                    return
+                out = await next_output(stream, deadline)
+        except EpdError:
+            raise
+        except Exception as exc:
+            raise runtime.engine_error(exc) from exc
+        finally:
+            self._active -= 1
+            failure.unlink(missing_ok=True)
+            if span is not None:
+                span.set_attribute("epd.decode.tokens", generated)
+                span.end()
+                record_duration("decode.generate", "decode", time.perf_counter() - started)
+
+    async def close(self) -> None:
+        await self.supervisor.close()
+        self._agents.close()
+        shutil.rmtree(self._failure_dir, ignore_errors=True)

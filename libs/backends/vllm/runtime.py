@@ -1,0 +1,192 @@
+"""vLLM itself: engine arguments, sampling parameters, outputs -> token chunks, errors -> status.
+
+Import this module only in services that chose `--engine vllm` (importing vLLM takes 10-18 s).
+Settings that matter on this machine (docs/engine.md, vLLM):
+- loopback only: `VLLM_HOST_IP=127.0.0.1`, NIXL side channel on 127.0.0.1, UCX on `lo`;
+- explicit KV-cache bytes (`kv_cache_memory_bytes`): vLLM would otherwise size it from RAM;
+- `enforce_eager` (no graph capture on CPU), float32 (token-identical to the reference runs);
+- torchvision: vLLM's processes are fresh interpreters, covered by libs/torchvision_guard.py's
+  start-up hook; the model-inspection subprocess too (it is a plain `python -m`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from libs.backends.settings import EngineSettings
+from libs.backends.vllm.requests import ItemDescriptor
+from libs.contract.epd.v1 import generation_pb2
+from libs.contract.errors import EpdError, InvalidArgument, Unavailable
+from libs.runtime import types as eng
+from libs.serving.convert import chunk_to_wire
+from libs.serving.settings import ChunkedPrefillSettings
+
+EC_CONNECTOR_MODULE = "libs.backends.vllm.ec_connector"
+KV_CONNECTOR_MODULE = "libs.backends.vllm.kv_connector"
+
+
+def loopback_environment() -> None:
+    """Keep every vLLM process on loopback and quiet (set before the engine spawns them)."""
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("UCX_MODULES", "^ib")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    # The worker imports this project (the EC connector): make the checkout importable there.
+    root = str(Path(__file__).resolve().parents[3])
+    path = os.environ.get("PYTHONPATH", "")
+    if root not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, path) if p)
+
+
+def cpu_environment(threads: int) -> None:
+    """vLLM binds its worker's OpenMP threads to cores itself: with a KV connector on a 2-core host
+    it takes every core (it reserves one more for transfers, finds none left, and binds to all),
+    and each engine binds the same cores. Unbound, with the service's thread count, the engines of
+    one host share the cores through the OS scheduler (measured: docs/engine.md, P and D on vLLM)."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    os.environ["OMP_NUM_THREADS"] = str(max(1, threads))
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    """The engine's side of a P->D KV handoff (vLLM's NixlConnector through the project's
+    subclass): `kv_producer` (prefill) or `kv_consumer` (decode)."""
+
+    role: Literal["kv_producer", "kv_consumer"]
+    engine_id: str  # new at every engine start: a consumer's handshake checks it
+    side_channel_port: int  # where the engine serves its NIXL agent metadata
+
+
+def build_engine(
+    settings: EngineSettings, *, failure_dir: Path, ec_consumer: bool, kv: KvTransfer | None = None
+) -> Any:
+    """A started `AsyncLLM` (blocking: spawns EngineCore and Worker, loads weights)."""
+    loopback_environment()
+    cpu_environment(settings.torch_threads)
+    from vllm.config import ECTransferConfig, KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args: dict[str, Any] = dict(
+        model=str(settings.model),
+        served_model_name=settings.model_id or settings.model.name,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=settings.kv_cache_mib << 20,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_batch,
+        seed=0,
+        # EPD's priority (higher first) inside vLLM's scheduler too: requests waiting in vLLM (a
+        # full batch, a full KV cache) start by priority, and preemption picks the lowest.
+        scheduling_policy="priority",
+        # vLLM's scheduler gauges (vllm:kv_cache_usage_perc, vllm:num_requests_running/waiting, ...)
+        # land in prometheus_client's registry, which the service's /metrics serves (docs/tracing.md).
+        disable_log_stats=False,
+    )
+    if isinstance(settings, ChunkedPrefillSettings):
+        # The reference engine's prefill chunks, in vLLM's scheduler: while other requests are
+        # running or waiting, one prompt gets at most this many tokens of a step, so a short text
+        # request is not held behind a whole multimodal prefill (a lone prompt still runs whole).
+        args["long_prefill_token_threshold"] = min(settings.prefill_chunk_tokens, settings.max_model_len)
+    if ec_consumer:
+        args["ec_transfer_config"] = ECTransferConfig(
+            ec_connector="EpdECConnector",
+            ec_connector_module_path=EC_CONNECTOR_MODULE,
+            ec_role="ec_consumer",
+            ec_connector_extra_config={"failure_dir": str(failure_dir)},
+        )
+    if kv is not None:
+        # Read by the spawned EngineCore, which serves the side channel (the worker reads its own
+        # copy of the environment too): set before the engine spawns them.
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv.side_channel_port)
+        args["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="EpdNixlConnector",
+            kv_connector_module_path=KV_CONNECTOR_MODULE,
+            kv_role=kv.role,
+            kv_buffer_device="cpu",
+            engine_id=kv.engine_id,
+            kv_load_failure_policy="fail",  # "recompute" would run the vision tower on metadata-only items
+            kv_connector_extra_config={"num_threads": 1, "kv_lease_duration": max(1, int(settings.lease_ttl_s))},
+        )
+        args["worker_extension_cls"] = f"{KV_CONNECTOR_MODULE}.EpdKvWorkerExtension"
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+
+def engine_priority(priority: int) -> int:
+    """epd.v1's priority (higher is served first) as vLLM's (lower is scheduled first)."""
+    return -priority
+
+
+def split_seed(params: eng.SamplingParams, request_id: str) -> int | None:
+    """The seed of a request split over two engines. Decode's engine samples the first token again
+    (it recomputes the prompt's last token), so both engines must draw the same one: a request
+    sampled without a seed gets one derived from its id, which prefill and decode both know."""
+    if params.seed is not None or params.temperature == 0:
+        return params.seed
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:4], "big") & 0x7FFFFFFF
+
+
+def sampling_params(
+    params: eng.SamplingParams,
+    default_max_tokens: int,
+    items: dict[str, ItemDescriptor],
+    *,
+    seed: int | None = None,
+    max_tokens: int | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> Any:
+    """The project's sampling as vLLM's, streaming deltas; the EC items and the KV handoff ride in
+    `extra_args`. `seed` and `max_tokens` override the request's (P/D split)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    extra: dict[str, Any] = {}
+    if items:
+        extra["ec_transfer_params"] = {"epd_items": {uuid: item.to_dict() for uuid, item in items.items()}}
+    if kv_transfer_params is not None:
+        extra["kv_transfer_params"] = kv_transfer_params
+    return SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed if seed is None else seed,
+        max_tokens=max_tokens or params.max_tokens or default_max_tokens,
+        stop=list(params.stop) or None,
+        stop_token_ids=list(params.stop_token_ids) or None,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args=extra or None,
+    )
+
+
+def chunk(out: Any) -> tuple[generation_pb2.TokenChunk, bool]:
+    """One `RequestOutput` (delta) as a TokenChunk; whether it is the last."""
+    completion = out.outputs[0]
+    reason: eng.FinishReason | None = None
+    if completion.finish_reason == "stop":
+        reason = eng.FinishReason.STOP_SEQUENCE if isinstance(completion.stop_reason, str) else eng.FinishReason.STOP
+    elif completion.finish_reason == "length":
+        reason = eng.FinishReason.LENGTH
+    elif completion.finish_reason is not None:  # "abort", "error": the engine gave up on it
+        raise Unavailable(f"vLLM finished the request with {completion.finish_reason!r}")
+    text = completion.text or ""
+    return chunk_to_wire(eng.TokenChunk(list(completion.token_ids), text, reason)), reason is not None
+
+
+def engine_error(exc: BaseException) -> EpdError:
+    """vLLM's exceptions as typed statuses: a dead engine is UNAVAILABLE (it restarts), a request
+    vLLM refuses is INVALID_ARGUMENT."""
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    if isinstance(exc, EngineDeadError | EngineGenerateError):
+        return Unavailable(f"vLLM engine failed ({type(exc).__name__}); it is restarting")
+    if isinstance(exc, ValueError):
+        return InvalidArgument("request", f"vLLM refused the request: {exc}")
+    return Unavailable(f"vLLM request failed: {type(exc).__name__}: {exc}")

@@ -1,0 +1,72 @@
+"""What the vLLM engines of the PD, prefill and decode services share: the encoders' agent metadata
+(first-contact checked), the next output of a vLLM stream within a deadline, and the EC
+connector's report of embeddings it could not read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from libs.backends.vllm.requests import ItemDescriptor
+from libs.contract.epd.v1 import service_info_pb2, tensor_pb2
+from libs.contract.errors import DeadlineExceeded, Unavailable, error_for
+from libs.serving.transport import MetadataResolver
+from libs.telemetry.stages import count_transfer
+from libs.transfer import PeerUnavailable
+
+
+class EncoderAgents:
+    """The encoders' NIXL agent metadata for vLLM's worker, resolved (GetServiceInfo + model check)
+    once per encoder incarnation."""
+
+    def __init__(self, model: service_info_pb2.ModelIdentity) -> None:
+        self._resolver = MetadataResolver(model)
+        self._metadata: dict[tuple[str, str, str], Any] = {}  # (address, agent, incarnation) -> resolved
+
+    def __call__(self, ref: tensor_pb2.NixlAgentRef) -> Any:
+        key = (ref.producer_address, ref.agent_name, ref.instance_id)
+        if key not in self._metadata:
+            try:
+                self._metadata[key] = self._resolver(ref)
+            except PeerUnavailable as exc:
+                raise Unavailable(f"encoder {ref.producer_address}: {exc}") from None
+        return self._metadata[key]
+
+    def close(self) -> None:
+        self._resolver.close()
+
+
+async def next_output(stream: AsyncIterator[Any], deadline: float | None) -> Any:
+    """The next output, within the request's deadline; the stream ending early is an engine abort."""
+    timeout = None if deadline is None else deadline - time.monotonic()
+    if timeout is not None and timeout <= 0:
+        raise DeadlineExceeded("deadline passed while generating")
+    try:
+        return await asyncio.wait_for(anext(stream), timeout)
+    except TimeoutError:
+        raise DeadlineExceeded("deadline passed while generating") from None
+    except StopAsyncIteration:
+        raise Unavailable("vLLM ended the request without a finish") from None
+
+
+def raise_load_failure(path: Path) -> None:
+    """The EC connector's report of embeddings it could not read, as the transfer's typed error."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    import grpc
+
+    code = getattr(grpc.StatusCode, str(report.get("code", "UNAVAILABLE")), grpc.StatusCode.UNAVAILABLE)
+    raise error_for(code, f"embedding read failed in the vLLM worker: {report.get('message', '')}", "items")
+
+
+def count_embedding_bytes(items: dict[str, ItemDescriptor]) -> None:
+    """The embeddings vLLM's worker read for a request (EC connector, over NIXL), in the same
+    byte counter as the reference engine's reads."""
+    if items:
+        count_transfer(sum(item.nbytes for item in items.values()), transport="nixl", direction="encoder->prefill")

@@ -1,3 +1,0 @@
-from libs.engine.checkpoints.generate import main
-
-main()

@@ -1,2 +1,0 @@
-"""Engines behind the epd.v1 contract, one package each: `reference` (the project's transformers
-runtime in libs/engine) and `vllm` (vLLM's AsyncLLM). `api` is what a service sees of either."""

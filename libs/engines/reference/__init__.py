@@ -1,1 +1,0 @@
-"""The reference engine: the project's own transformers runtime (libs/engine) behind `libs.engines.api`."""

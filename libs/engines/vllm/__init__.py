@@ -1,2 +1,0 @@
-"""The vLLM engine behind `libs.engines.api`: AsyncLLM in the service, the project's EC connector in
-vLLM's worker. Importing this package does not import vLLM (its modules do, when used)."""

@@ -1,0 +1,3 @@
+from libs.runtime.checkpoints.generate import main
+
+main()

@@ -1,0 +1,137 @@
+"""PrefillRunner: text + embeddings at placeholder positions → KV cache and the first token."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from libs.runtime.encoder_decoder import EncoderDecoderPrefill
+from libs.runtime.errors import EmbeddingMismatchError
+from libs.runtime.kv import export_kv
+from libs.runtime.lm_runtime import LanguageModelRuntime
+from libs.runtime.prompt import Prompt, build_prompt
+from libs.runtime.sequence import Sequence
+from libs.runtime.types import ChatMessage, DecodeState, EncodedItem, PrefillResult, SamplingParams
+
+# Tokens per chunk when a service runs a prefill in chunks (services: --prefill-chunk-tokens): a text
+# request waits at most one chunk in progress, ~0.13 s on one core of the ~100M checkpoint (256 tokens:
+# ~0.5 s, a whole 1-image prompt), and the per-forward overhead stays a few percent.
+CHUNK_TOKENS = 64
+
+
+class PrefillRunner:
+    def __init__(
+        self, runtime: LanguageModelRuntime, *, default_max_tokens: int = 256, chunk_tokens: int = CHUNK_TOKENS
+    ) -> None:
+        self.runtime = runtime
+        self.default_max_tokens = default_max_tokens
+        self.chunk_tokens = chunk_tokens  # prompt tokens per forward when run in chunks (services)
+        self.specs = {spec.modality: spec for spec in runtime.expected_specs()}
+
+    def _check_item(self, index: int, item: EncodedItem) -> None:
+        spec = self.specs[item.layout.modality]
+        field = f"items[{index}].embeddings"
+        emb = item.tensors.get("embeddings")
+        count = item.layout.placeholder_token_count
+        if emb is None or emb.dim() != 2 or emb.shape[0] != count or emb.shape[1] != spec.width:
+            shape = None if emb is None else tuple(emb.shape)
+            raise EmbeddingMismatchError(f"embeddings {shape}, layout wants [{count}, {spec.width}]", field=field)
+        if not emb.is_floating_point():
+            raise EmbeddingMismatchError(f"embeddings dtype {emb.dtype} is not floating point", field=field)
+        wanted = {e.name: e for e in spec.extra_tensors}
+        if set(item.tensors) - {"embeddings"} != set(wanted):
+            raise EmbeddingMismatchError(f"extra tensors {sorted(item.tensors)} != {sorted(wanted)}", field=field)
+        for name, extra in wanted.items():
+            t = item.tensors[name]
+            if tuple(t.shape) != (count, extra.width):
+                raise EmbeddingMismatchError(f"{name} is {tuple(t.shape)}, wants [{count}, {extra.width}]", field=field)
+
+    def build(self, messages: list[ChatMessage]) -> Prompt:
+        prompt = build_prompt(self.runtime.tokenizer, self.runtime.adapter, messages)
+        for i, item in enumerate(prompt.encoded):
+            self._check_item(i, item)
+        return prompt
+
+    def inputs(self, prompt: Prompt) -> tuple[torch.Tensor, torch.Tensor, int, dict[str, torch.Tensor] | None]:
+        """inputs_embeds [1, L, H], position ids [3, 1, L], rope delta, family extras."""
+        runtime = self.runtime
+        ids = torch.tensor([prompt.input_ids], dtype=torch.long)
+        embeds = runtime.embed(ids)
+        for placed, item in zip(prompt.items, prompt.encoded, strict=True):
+            row = 0
+            for start, rows in placed.row_spans():
+                embeds[0, start : start + rows] = item.embeddings[row : row + rows].to(embeds.dtype)
+                row += rows
+        positions, rope_delta = runtime.adapter.position_ids(prompt.input_ids, prompt.items)
+        extras = runtime.adapter.prefill_extras(
+            prompt.items, [item.tensors for item in prompt.encoded], len(prompt.input_ids)
+        )
+        return embeds, positions.unsqueeze(1), rope_delta, extras
+
+    def prefill(
+        self, messages: list[ChatMessage], sampling: SamplingParams, *, return_logits: bool = False
+    ) -> PrefillResult:
+        task = self.start(messages, sampling)
+        while not task.step(task.remaining):
+            pass
+        return task.finish(return_logits=return_logits)
+
+    def start(self, messages: list[ChatMessage], sampling: SamplingParams) -> PrefillTask | EncoderDecoderPrefill:
+        """A prefill to run in chunks (`PrefillTask.step`), so that other work (short prefills, decode
+        steps) can run between them; `prefill` is start + every step + finish."""
+        if self.runtime.adapter.is_encoder_decoder:  # Whisper: the decoder's task prompt, one step
+            return EncoderDecoderPrefill(self.runtime, messages, sampling, default_max_tokens=self.default_max_tokens)
+        return PrefillTask(self, messages, sampling)
+
+
+class PrefillTask:
+    """One prompt's prefill, forwarded `step(n)` tokens at a time into one KV cache. Chunking is
+    exact attention over the cached prefix (the same result up to float rounding); families with
+    extra per-token inputs (deepstack) run in one step."""
+
+    def __init__(self, runner: PrefillRunner, messages: list[ChatMessage], sampling: SamplingParams) -> None:
+        self.runner = runner
+        self.sequence = Sequence(runner.runtime, sampling, default_max_tokens=runner.default_max_tokens)
+        self.prompt = runner.build(messages)
+        with torch.inference_mode():
+            self.embeds, self.positions, self.rope_delta, self.extras = runner.inputs(self.prompt)
+        self.cache = DynamicCache()
+        self.done = 0
+        self.total = int(self.embeds.shape[1])
+        self.logits: torch.Tensor | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.total - self.done
+
+    def step(self, tokens: int) -> bool:
+        """Forward the next `tokens` prompt tokens (all of them with extras); True when finished."""
+        end = self.total if self.extras is not None or tokens <= 0 else min(self.total, self.done + tokens)
+        runtime = self.runner.runtime
+        with torch.inference_mode():
+            self.logits = runtime.adapter.lm_forward(
+                runtime.module,
+                self.embeds[:, self.done : end],
+                self.positions[:, :, self.done : end],
+                self.cache,
+                None,
+                self.extras,
+            )
+        self.done = end
+        return self.done >= self.total
+
+    def finish(self, *, return_logits: bool = False) -> PrefillResult:
+        """Sample the first token from the last chunk's logits and export the KV cache."""
+        assert self.logits is not None and self.remaining == 0, "finish() before every step ran"
+        with torch.inference_mode():
+            row = self.logits[0, -1].float()
+            token, chunk = self.sequence.advance(row)
+            kv = None if self.sequence.finished else export_kv(self.runner.runtime, self.cache)
+        state = DecodeState(
+            next_input_token_id=token,
+            rope_delta=self.rope_delta,
+            generated_tokens=self.sequence.generated,
+            generated_text=self.sequence.text,
+            prompt_tokens=len(self.prompt.input_ids),
+        )
+        return PrefillResult(chunk, kv, state, row.clone() if return_logits else None)

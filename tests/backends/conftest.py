@@ -1,0 +1,56 @@
+"""vLLM engine fixtures: one real stack per layout, started once per test session and reused
+(a vLLM engine takes 30-50 s and ~1.5 GB to start on 2 cores). One module uses each layout's
+stack, so module scope starts each once and stops it before the next layout's engines start."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from libs.launch.stack import Stack, StackSpec
+from libs.runtime.checkpoints import ensure_checkpoint
+
+
+@pytest.fixture(scope="session")
+def omni_tiny() -> Path:
+    return ensure_checkpoint("qwen2_5_omni", "tiny")
+
+
+@pytest.fixture(scope="module")
+def vllm_epd_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """E+PD: a reference encoder and a PD service on vLLM, behind the router; each its own process."""
+    spec = StackSpec(
+        layout="e+pd",
+        encoders=1,
+        model=omni_tiny,
+        run_dir=tmp_path_factory.mktemp("vllm-e+pd"),
+        engine="vllm",
+        # --grace-s: the drain test's streams finish within it. Chunks of 16 prompt tokens: requests
+        # served together prefill their multimodal prompts in several steps, across the items.
+        # --lease-ttl-s: the drain test's embeddings wait for a stopped engine (frozen_engine).
+        extra_args={
+            "pd": ["--grace-s", "120", "--prefill-chunk-tokens", "16"],
+            "encoder-0": ["--lease-ttl-s", "300"],
+        },
+        ready_timeout_s=420.0,
+    )
+    with Stack(spec).running() as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def vllm_split_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """E/P/D: a reference encoder, prefill and decode each on vLLM (KV moved by vLLM's NixlConnector
+    through the project's subclass), behind the router; each its own process."""
+    spec = StackSpec(
+        layout="e/p/d",
+        encoders=1,
+        model=omni_tiny,
+        run_dir=tmp_path_factory.mktemp("vllm-e-p-d"),
+        engine="vllm",
+        ready_timeout_s=600.0,
+    )
+    with Stack(spec).running() as stack:
+        yield stack

@@ -1,0 +1,259 @@
+"""E+PD on vLLM, every service its own process: a reference encoder, the PD service running
+vLLM's AsyncLLM (embeddings read over NIXL by the project's EC connector inside vLLM's worker),
+the router. Tokens equal the reference runtime's; bad input, a missing embedding, a cancel and a
+killed engine give typed statuses, the service recovers and every pool ends empty; SIGTERM drains
+the PD service.
+
+Run last within this module: the engine-kill test (a restart costs ~1 min), then the drain test
+(it stops the PD service)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2
+
+from libs.client.generate import generate
+from libs.client.generate import open_channel as client_channel
+from libs.contract.epd.v1 import (
+    chat_pb2,
+    generate_pb2_grpc,
+    layout_pb2,
+    media_pb2,
+    prefill_decode_pb2,
+    prefill_decode_pb2_grpc,
+    sampling_pb2,
+    service_info_pb2,
+    service_info_pb2_grpc,
+    tensor_pb2,
+)
+from libs.launch.stack import Stack
+from libs.rpc.server import open_channel
+from libs.runtime.media import synthetic
+from tests.support.vllm_stack import (
+    TokenStream,
+    call,
+    cancel_after_chunks,
+    encode_image,
+    frozen_engine,
+    health,
+    mixes,
+    probe_until_refused,
+    reference_tokens,
+    release,
+    request,
+    run,
+    stats,
+    until_draining,
+    until_in_flight,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
+LONG = 4000  # tokens: up to the model length (4096), a stream the test ends (cancels) itself
+
+
+def _pd_request(encoded: layout_pb2.EncodedMedia | None, text: str = "Describe this.", max_tokens: int = 4) -> Any:
+    parts = [chat_pb2.ContentPart(encoded=encoded)] if encoded is not None else []
+    parts.append(chat_pb2.ContentPart(text=text))
+    return prefill_decode_pb2.PrefillDecodeRequest(
+        request_id=f"direct-{time.monotonic_ns()}",
+        messages=[chat_pb2.ChatMessage(role=chat_pb2.CHAT_ROLE_USER, parts=parts)],
+        sampling=sampling_pb2.SamplingParams(max_tokens=max_tokens),
+    )
+
+
+async def _prefill_decode(address: str, req: Any) -> list[int]:
+    async with open_channel(address) as channel:
+        tokens: list[int] = []
+        async for reply in prefill_decode_pb2_grpc.PrefillDecodeServiceStub(channel).PrefillDecode(req, timeout=120):
+            tokens += reply.chunk.token_ids
+        return tokens
+
+
+def _pd_status(address: str, req: Any) -> tuple[grpc.StatusCode, str]:
+    try:
+        run(_prefill_decode, address, req)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def _wait_empty(stack: Stack, timeout_s: float = 20.0) -> None:
+    """Every encoder pool back to empty, no lease held, no sequence left in PD."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        encoders = [run(stats, p.address) for n, p in stack.processes.items() if n.startswith("encoder")]
+        pd = run(stats, stack.processes["pd"].address)
+        busy = [s.pool.slots_in_use + s.pool.active_leases for s in encoders] + [pd.active_sequences]
+        if not any(busy):
+            return
+        assert time.monotonic() < deadline, f"still held: {busy}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def expected(omni_tiny: Path) -> dict[str, list[int]]:
+    return {name: reference_tokens(omni_tiny, mix) for name, mix in MIXES.items()}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_tokens_equal_the_reference_runtime(vllm_epd_stack: Stack, expected: dict[str, list[int]], mix: str) -> None:
+    result = call(vllm_epd_stack.address, request(MIXES[mix]))
+    assert result.token_ids == expected[mix]
+    assert result.completion_tokens == len(expected[mix])
+    _wait_empty(vllm_epd_stack)
+
+
+def test_requests_served_together_prefill_in_chunks_and_equal_the_reference(
+    vllm_epd_stack: Stack, expected: dict[str, list[int]]
+) -> None:
+    """Every mix at once, twice over: vLLM caps each prompt at 16 tokens a step while the others
+    run or wait (the stack's --prefill-chunk-tokens), so the multimodal prompts prefill over
+    several steps, their placeholders cut between them; greedy tokens must not change."""
+
+    async def together() -> list[list[int]]:
+        async with client_channel(vllm_epd_stack.address) as channel:
+            calls = [generate(channel, request(MIXES[name]), timeout_s=120) for name in [*MIXES, *MIXES]]
+            return [result.token_ids for result in await asyncio.gather(*calls)]
+
+    assert run(together) == [expected[name] for name in [*MIXES, *MIXES]]
+    _wait_empty(vllm_epd_stack)
+
+
+def test_service_info_advertises_the_engine(vllm_epd_stack: Stack) -> None:
+    async def info() -> service_info_pb2.ServiceInfo:
+        async with open_channel(vllm_epd_stack.processes["pd"].address) as channel:
+            reply = await service_info_pb2_grpc.ServiceInfoServiceStub(channel).GetServiceInfo(
+                service_info_pb2.GetServiceInfoRequest(), timeout=10
+            )
+            return reply.info
+
+    got = run(info)
+    assert "engine.vllm" in got.capabilities
+    widths = {spec.modality: (spec.width, spec.dtype) for spec in got.embedding_specs}
+    assert widths[media_pb2.MODALITY_IMAGE] == (64, tensor_pb2.D_TYPE_FLOAT32)
+    assert set(widths) == {media_pb2.MODALITY_IMAGE, media_pb2.MODALITY_VIDEO, media_pb2.MODALITY_AUDIO}
+
+
+def test_bad_input_is_refused_before_it_reaches_vllm(vllm_epd_stack: Stack) -> None:
+    pd = vllm_epd_stack.processes["pd"].address
+    encoder = vllm_epd_stack.processes["encoder-0"].address
+    code, details = _pd_status(pd, _pd_request(None, text="look: <|IMAGE|>"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "placeholder" in details
+    encoded = run(encode_image, encoder, synthetic.png_bytes(56, 56, seed=7))
+    wrong = layout_pb2.EncodedMedia()
+    wrong.CopyFrom(encoded)
+    wrong.embeddings.tensors[0].spec.shape[1] = 32  # not the model's width
+    code, details = _pd_status(pd, _pd_request(wrong))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "embeddings" in details
+    grid = layout_pb2.EncodedMedia()
+    grid.CopyFrom(encoded)
+    grid.layout.image.grid_w += 2  # the grid no longer fits placeholder_token_count
+    code, _ = _pd_status(pd, _pd_request(grid))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    # The engine never saw them: the real item still works, and releases its lease by reading it.
+    code, _ = _pd_status(pd, _pd_request(encoded))
+    assert code == grpc.StatusCode.OK
+    _wait_empty(vllm_epd_stack)
+
+
+def test_missing_embedding_fails_the_request_and_the_engine_lives(
+    vllm_epd_stack: Stack, expected: dict[str, list[int]]
+) -> None:
+    pd = vllm_epd_stack.processes["pd"].address
+    encoder = vllm_epd_stack.processes["encoder-0"].address
+    encoded = run(encode_image, encoder, synthetic.png_bytes(84, 56, seed=8))
+
+    # The encoder frees (and poisons) the slot: the READ in vLLM's worker must fail.
+    assert run(release, encoder, [encoded.embeddings.lease_id]) == 1
+    code, details = _pd_status(pd, _pd_request(encoded))
+    assert code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE), (code, details)
+    assert "embedding" in details
+    assert run(health, pd) == health_pb2.HealthCheckResponse.SERVING
+    assert call(vllm_epd_stack.address, request(MIXES["image"])).token_ids == expected["image"]
+    _wait_empty(vllm_epd_stack)
+
+
+def test_cancel_mid_stream_frees_the_sequence_and_the_leases(vllm_epd_stack: Stack) -> None:
+    # Up to the model's length: the stream is still running when the test cancels it, on any host.
+    assert run(cancel_after_chunks, vllm_epd_stack.address, request(MIXES["image"], max_tokens=LONG), 2) == 2
+    _wait_empty(vllm_epd_stack)
+
+
+def test_killed_engine_fails_requests_unavailable_then_restarts(
+    vllm_epd_stack: Stack, expected: dict[str, list[int]]
+) -> None:
+    pd = vllm_epd_stack.processes["pd"]
+    children = psutil.Process(pd.pid).children(recursive=True)
+    cores = [p for p in children if "EngineCore" in p.name() + " ".join(p.cmdline())]
+    assert cores, "no EngineCore process under the PD service"
+    for core in cores:
+        core.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    statuses: set[grpc.StatusCode] = set()
+    while time.monotonic() < deadline and grpc.StatusCode.UNAVAILABLE not in statuses:
+        statuses.add(_pd_status(pd.address, _pd_request(None))[0])
+    assert grpc.StatusCode.UNAVAILABLE in statuses
+    deadline = time.monotonic() + 60  # the supervisor polls the engine twice a second (bounded generously)
+    while run(health, pd.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert time.monotonic() < deadline, "health stayed SERVING with a dead engine"
+        time.sleep(0.1)
+    deadline = time.monotonic() + 300
+    while run(health, pd.address) != health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, "the engine did not come back"
+        time.sleep(1.0)
+    assert pd.alive()
+    assert call(vllm_epd_stack.address, request(MIXES["audio"])).token_ids == expected["audio"]
+    _wait_empty(vllm_epd_stack)
+
+
+DRAINED = ["image", "audio", "text"]  # streaming through the router at the PD's signal
+DRAINED_TOKENS = 64  # each stream's tokens, compared with its undisturbed run's
+
+
+async def _pd_drains(stack: Stack) -> tuple[int, list[str], list[list[int]]]:
+    pd = stack.processes["pd"]
+    async with open_channel(stack.address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        reqs = [request(MIXES[n], max_tokens=DRAINED_TOKENS) for n in DRAINED]
+        # The PD's engine is stopped while the streams arrive: the PD admits them, and none can
+        # advance until the test thaws it, after the signal and the probes, on a fast host as on a
+        # slow one. They then stream during the drain, to their last token.
+        with frozen_engine(pd) as thaw:
+            streams = [TokenStream(stub.Generate(req, timeout=600)) for req in reqs]
+            done = [asyncio.ensure_future(s.run()) for s in streams]
+            await until_in_flight(pd.address, len(reqs))
+            assert pd.process is not None
+            pd.process.send_signal(signal.SIGTERM)
+            at_signal = (await stats(pd.address)).requests_in_flight
+            await until_draining(pd.address)
+            probes = await probe_until_refused(lambda: _prefill_decode(pd.address, _pd_request(None, max_tokens=1)))
+            thaw()
+            return at_signal, probes, list(await asyncio.gather(*done))
+
+
+def test_sigterm_drains_streams_in_flight_then_exits(vllm_epd_stack: Stack) -> None:
+    undisturbed = [
+        call(vllm_epd_stack.address, request(MIXES[n], max_tokens=DRAINED_TOKENS), timeout_s=600).token_ids
+        for n in DRAINED
+    ]
+    _wait_empty(vllm_epd_stack)
+    at_signal, probes, finished = asyncio.run(_pd_drains(vllm_epd_stack))
+    assert at_signal == len(DRAINED)  # in flight at the signal (held by the stopped engine)
+    assert finished == undisturbed  # every token
+    *before, refused = probes
+    assert set(before) <= {"OK"} and refused.startswith("UNAVAILABLE: ") and "draining" in refused, probes
+    pd = vllm_epd_stack.processes["pd"]
+    assert pd.process is not None and pd.process.wait(120) == 0, pd.log_tail()
+    for name, process in vllm_epd_stack.processes.items():  # every embedding the PD read was acked
+        if name.startswith("encoder"):
+            pool = run(stats, process.address).pool
+            assert pool.slots_in_use == pool.active_leases == 0, name

@@ -1,0 +1,263 @@
+"""E/P/D on vLLM, every service its own process: a reference encoder, prefill and decode each on
+vLLM's AsyncLLM, the router. Embeddings reach prefill's engine through the project's EC connector;
+the KV moves prefill -> decode with vLLM's NixlConnector (the project's subclass, CPU buffers),
+described on the wire by contract 1.3's typed fields (`KvCache.paged`, `DecodeState.engine_prompt`).
+
+Tokens equal the reference runtime's; the handoff is typed and a lease of prefill's; a stale
+handoff, a missing embedding, a cancel and killed engines give typed statuses, the services
+recover and every pool ends empty. A contract 1.2 router (from the 1.2 release) serves the same
+stack: the 1.3 fields pass through it. Runs last: the engine-kill test (restarts cost ~2 min on
+2 cores, so it is marked `bench`: `pytest -m bench tests/backends/test_vllm_split.py`)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2
+
+from libs.contract.epd.v1 import (
+    chat_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    layout_pb2,
+    prefill_pb2,
+    sampling_pb2,
+    service_info_pb2,
+    service_info_pb2_grpc,
+    tensor_pb2,
+)
+from libs.launch.process import ServiceProcess
+from libs.launch.stack import Stack
+from libs.rpc.server import open_channel
+from libs.runtime.media import synthetic
+from tests.support.release_tree import release_checkout
+from tests.support.vllm_stack import (
+    call,
+    call_prefill,
+    cancel_after_chunks,
+    encode_image,
+    handoff,
+    health,
+    mixes,
+    reference_tokens,
+    release,
+    request,
+    run,
+    stats,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
+LONG = 4000  # tokens: up to the model length (4096), a stream that ends by the test (cancel, deadline)
+RELEASE_1_2 = "Contract 1.2 and the router's cache short-circuit"
+
+
+@pytest.fixture(scope="module")
+def expected(omni_tiny: Path) -> dict[str, list[int]]:
+    return {name: reference_tokens(omni_tiny, mix) for name, mix in MIXES.items()}
+
+
+def _prefill_request(encoded: layout_pb2.EncodedMedia | None, max_tokens: int = 6) -> prefill_pb2.PrefillRequest:
+    parts = [chat_pb2.ContentPart(encoded=encoded)] if encoded is not None else []
+    parts.append(chat_pb2.ContentPart(text="Describe this."))
+    return prefill_pb2.PrefillRequest(
+        request_id=f"direct-{time.monotonic_ns()}",
+        messages=[chat_pb2.ChatMessage(role=chat_pb2.CHAT_ROLE_USER, parts=parts)],
+        sampling=sampling_pb2.SamplingParams(max_tokens=max_tokens),
+        accepted_kv_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+    )
+
+
+async def _decode(address: str, req: decode_pb2.DecodeRequest, timeout_s: float = 120) -> list[int]:
+    async with open_channel(address) as channel:
+        tokens: list[int] = []
+        async for reply in decode_pb2_grpc.DecodeServiceStub(channel).Decode(req, timeout=timeout_s):
+            tokens += reply.chunk.token_ids
+        return tokens
+
+
+def _status(coro_fn: Any, *args: Any) -> tuple[grpc.StatusCode, str]:
+    try:
+        run(coro_fn, *args)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def _addresses(stack: Stack) -> dict[str, str]:
+    return {name: process.address for name, process in stack.processes.items()}
+
+
+def _wait_empty(stack: Stack, timeout_s: float = 40.0) -> None:
+    """No lease or slot held by an encoder, no KV handoff held by prefill's engine, no sequence in
+    prefill or decode."""
+    address = _addresses(stack)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        encoders = [run(stats, a) for n, a in address.items() if n.startswith("encoder")]
+        prefill, decode = run(stats, address["prefill"]), run(stats, address["decode"])
+        busy = {
+            "encoders": sum(s.pool.slots_in_use + s.pool.active_leases for s in encoders),
+            "prefill KV leases": prefill.pool.active_leases,
+            "prefill sequences": prefill.active_sequences,
+            "decode sequences": decode.active_sequences,
+        }
+        if not any(busy.values()):
+            return
+        assert time.monotonic() < deadline, f"still held: {busy}"
+        time.sleep(0.25)
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_tokens_equal_the_reference_runtime(vllm_split_stack: Stack, expected: dict[str, list[int]], mix: str) -> None:
+    result = call(vllm_split_stack.address, request(MIXES[mix]))
+    assert result.token_ids == expected[mix]
+    assert result.completion_tokens == len(expected[mix])
+    _wait_empty(vllm_split_stack)
+
+
+def test_prefill_and_decode_advertise_vllm_and_paged_kv(vllm_split_stack: Stack) -> None:
+    async def info(address: str) -> service_info_pb2.ServiceInfo:
+        async with open_channel(address) as channel:
+            reply = await service_info_pb2_grpc.ServiceInfoServiceStub(channel).GetServiceInfo(
+                service_info_pb2.GetServiceInfoRequest(), timeout=10
+            )
+            return reply.info
+
+    address = _addresses(vllm_split_stack)
+    for role in ("prefill", "decode"):
+        got = run(info, address[role])
+        assert {"engine.vllm", "kv.paged_blocks"} <= set(got.capabilities), role
+        assert (got.contract_version.major, got.contract_version.minor) >= (1, 3)
+
+
+def test_the_handoff_is_typed_and_a_lease_of_prefill(vllm_split_stack: Stack) -> None:
+    address = _addresses(vllm_split_stack)
+    encoded = run(encode_image, address["encoder-0"], synthetic.png_bytes(84, 56, seed=5))
+    req = _prefill_request(encoded)
+    first = run(call_prefill, address["prefill"], req)
+    paged = first.kv_cache.paged
+    assert not first.kv_cache.HasField("handle")
+    assert paged.producer_address == address["prefill"] and paged.lease_id == paged.engine_request_id
+    assert paged.engine_id.startswith("epd-prefill-") and paged.side_channel_host == "127.0.0.1"
+    assert paged.transfer_mode == prefill_pb2.KV_TRANSFER_MODE_PULL and len(paged.groups) == 1
+    assert paged.lease_expire_time.ToSeconds() > time.time()
+    assert first.kv_cache.layout.num_tokens == first.decode_state.prompt_tokens
+    prompt = first.decode_state.engine_prompt
+    assert list(prompt.items) == [encoded.layout]  # the layout, no handle: decode reads no embedding
+    assert len(prompt.token_ids) == first.decode_state.prompt_tokens - encoded.layout.placeholder_token_count + 1
+    assert run(stats, address["prefill"]).pool.active_leases == 1  # held for decode
+    rest = run(_decode, address["decode"], handoff(req, first))
+    assert len(first.first_chunk.token_ids) + len(rest) == 6
+    _wait_empty(vllm_split_stack)  # decode's read acked the lease: prefill freed the blocks
+    assert run(stats, address["prefill"]).pool.acked_leases >= 1
+
+
+def test_a_stale_handoff_is_refused_typed(vllm_split_stack: Stack, expected: dict[str, list[int]]) -> None:
+    address = _addresses(vllm_split_stack)
+    req = _prefill_request(None)
+    first = run(call_prefill, address["prefill"], req)
+    expired = handoff(req, first)
+    expired.kv_cache.paged.lease_expire_time.FromSeconds(int(time.time()) - 1)
+    code, details = _status(_decode, address["decode"], expired)
+    assert code == grpc.StatusCode.NOT_FOUND and "expired" in details, (code, details)
+    restarted = handoff(req, first)  # what a handoff from before a prefill restart names
+    restarted.kv_cache.paged.engine_id = "epd-prefill-000000000000"
+    code, details = _status(_decode, address["decode"], restarted)
+    assert code == grpc.StatusCode.NOT_FOUND and "could not read the KV cache" in details, (code, details)
+    assert run(release, address["prefill"], [first.kv_cache.paged.lease_id]) == 1  # what the router does
+    _wait_empty(vllm_split_stack)
+    assert run(health, address["decode"]) == health_pb2.HealthCheckResponse.SERVING
+    assert call(vllm_split_stack.address, request(MIXES["text"])).token_ids == expected["text"]
+
+
+def test_a_missing_embedding_fails_prefill_and_the_engine_lives(
+    vllm_split_stack: Stack, expected: dict[str, list[int]]
+) -> None:
+    address = _addresses(vllm_split_stack)
+    encoded = run(encode_image, address["encoder-0"], synthetic.png_bytes(56, 84, seed=9))
+    run(release, address["encoder-0"], [encoded.embeddings.lease_id])  # freed (and poisoned): the READ must fail
+    code, details = _status(call_prefill, address["prefill"], _prefill_request(encoded))
+    assert code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE), (code, details)
+    assert "embedding" in details
+    assert run(health, address["prefill"]) == health_pb2.HealthCheckResponse.SERVING
+    _wait_empty(vllm_split_stack)
+    assert call(vllm_split_stack.address, request(MIXES["image"])).token_ids == expected["image"]
+
+
+def test_cancel_mid_stream_frees_prefill_decode_and_the_leases(vllm_split_stack: Stack) -> None:
+    # Up to the model's length: the stream is still running when the test cancels it, on any host.
+    assert run(cancel_after_chunks, vllm_split_stack.address, request(MIXES["image"], max_tokens=LONG), 2) == 2
+    _wait_empty(vllm_split_stack)
+
+
+def test_a_deadline_mid_stream_ends_typed_and_frees_everything(vllm_split_stack: Stack) -> None:
+    address = _addresses(vllm_split_stack)
+    req = _prefill_request(None, max_tokens=LONG)  # the deadline comes first, on any host
+    first = run(call_prefill, address["prefill"], req)
+    code, details = _status(_decode, address["decode"], handoff(req, first), 0.5)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (code, details)
+    _wait_empty(vllm_split_stack)  # vLLM aborted the sequence; the read (or the abort) freed prefill's blocks
+
+
+@pytest.fixture(scope="module")
+def release_1_2_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A checkout of the commit that released contract 1.2 (its router speaks 1.2)."""
+    with release_checkout(RELEASE_1_2, tmp_path_factory.mktemp("v1_2")) as path:
+        yield path
+
+
+def test_a_contract_1_2_router_passes_the_typed_handoff(
+    vllm_split_stack: Stack, release_1_2_tree: Path, expected: dict[str, list[int]], tmp_path: Path
+) -> None:
+    address = _addresses(vllm_split_stack)
+    args = ["--encoders", address["encoder-0"], "--prefill", address["prefill"], "--decode", address["decode"]]
+    log = tmp_path / "router.log"
+    router = ServiceProcess("router-1.2", "services.router", args, log_path=log, root=release_1_2_tree)
+    router.start()
+    try:
+        router.wait_ready(120)
+        for name in ("text", "image"):
+            assert call(router.address, request(MIXES[name])).token_ids == expected[name], name
+    finally:
+        assert router.stop() == 0, router.log_tail()
+    _wait_empty(vllm_split_stack)
+
+
+@pytest.mark.bench  # ~2-3 min of engine restarts; the supervisor's kill path runs in test_vllm_pd.py
+def test_killed_engines_fail_requests_unavailable_then_restart(
+    vllm_split_stack: Stack, expected: dict[str, list[int]]
+) -> None:
+    services = {name: vllm_split_stack.processes[name] for name in ("prefill", "decode")}
+    for name, process in services.items():
+        children = psutil.Process(process.pid).children(recursive=True)
+        cores = [p for p in children if "EngineCore" in p.name() + " ".join(p.cmdline())]
+        assert cores, f"no EngineCore process under {name}"
+        for core in cores:
+            core.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    code = grpc.StatusCode.OK
+    while time.monotonic() < deadline and code != grpc.StatusCode.UNAVAILABLE:
+        code = _status(call_prefill, services["prefill"].address, _prefill_request(None))[0]
+    assert code == grpc.StatusCode.UNAVAILABLE
+    for name, process in services.items():
+        deadline = time.monotonic() + 60  # the supervisors poll their engines twice a second (bounded generously)
+        while run(health, process.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, f"{name}: health stayed SERVING with a dead engine"
+            time.sleep(0.1)
+    for name, process in services.items():
+        deadline = time.monotonic() + 420
+        while run(health, process.address) != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, f"{name}: the engine did not come back"
+            time.sleep(1.0)
+        assert process.alive()
+    # Decode meets the new prefill engine (new engine id, new side channel) at its next handoff.
+    assert call(vllm_split_stack.address, request(MIXES["audio"])).token_ids == expected["audio"]
+    _wait_empty(vllm_split_stack)
