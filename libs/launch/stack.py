@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from libs.cache.process import StoreProcesses, start_store
 from libs.launch.process import LaunchError, ServiceProcess, free_port
+from libs.launch.store import StoreProcesses, start_store
 from libs.rpc.certs import LocalCa, write_material
 
 TLS_DIR = "tls"

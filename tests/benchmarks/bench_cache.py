@@ -25,11 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from libs.cache.process import start_store  # noqa: E402
 from libs.client.generate import GenerationResult, build_request, generate, open_channel  # noqa: E402
 from libs.contract.epd.v1 import generate_pb2, media_pb2, sampling_pb2  # noqa: E402
 from libs.launch.process import free_port  # noqa: E402
 from libs.launch.stack import Stack, StackSpec  # noqa: E402
+from libs.launch.store import start_store  # noqa: E402
 from libs.runtime.checkpoints import ensure_checkpoint  # noqa: E402
 from libs.runtime.media import synthetic  # noqa: E402
 

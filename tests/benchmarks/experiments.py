@@ -615,7 +615,7 @@ def p4(model: Path, run_dir: Path, duration_s: float, clients: int) -> dict[str,
 def p5(model: Path, run_dir: Path, requests: int, images: int) -> dict[str, Any]:
     import bench_cache
 
-    from libs.cache.process import start_store
+    from libs.launch.store import start_store
 
     print(f"P5 reassignment: {requests} requests x {images} images")
     plan = bench_cache._requests(requests, images)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from libs.cache.process import StoreProcesses, start_store
+from libs.launch.store import StoreProcesses, start_store
 
 MiB = 1 << 20
 

@@ -17,8 +17,8 @@ import torch
 from libs.cache.breaker import BreakerState
 from libs.cache.cache import CacheConfig, EncoderCache, Source
 from libs.cache.entry import CacheEntry, decode, encode
-from libs.cache.process import StoreProcesses
 from libs.cache.store import MooncakeStoreClient, StoreConfig, StoreStatus
+from libs.launch.store import StoreProcesses
 from libs.runtime.types import Modality
 from tests.support.cache import NS, SPECS, Metrics, make_entry
 

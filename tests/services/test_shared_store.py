@@ -25,12 +25,12 @@ import pytest
 from libs.cache.cache import CacheEntry
 from libs.cache.entry import encode
 from libs.cache.keys import Namespace, wire_content_hash
-from libs.cache.process import start_store
 from libs.cache.store import MooncakeStoreClient, StoreConfig
 from libs.client.generate import build_request
 from libs.contract.epd.v1 import generate_pb2, media_pb2, sampling_pb2, service_info_pb2, service_info_pb2_grpc
 from libs.launch.process import free_port
 from libs.launch.stack import Stack, StackSpec
+from libs.launch.store import start_store
 from libs.runtime.encoder_runner import EncoderRunner
 from libs.runtime.media import synthetic
 from libs.runtime.types import dtype_name

@@ -3,7 +3,7 @@
 The holder lends `segment_size` bytes to the store (encoders run clients that lend 0). Both run as
 child processes on free 127.0.0.1 ports; readiness is read from the master's HTTP admin port
 (`/health`, then `master_total_capacity_bytes` once the holder's segment is mounted). Stopping is by
-PID, SIGTERM then SIGKILL. Used by the tests now and by the launcher.
+PID, SIGTERM then SIGKILL. Used by the launcher (libs/launch/stack.py) and by the tests.
 """
 
 from __future__ import annotations
