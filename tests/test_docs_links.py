@@ -3,7 +3,8 @@
 Checks every Markdown file under docs/, the top-level README.md and the contract's README: each
 relative link `[text](target)` names a file or folder that exists, and its `#anchor` (if any) a
 heading of the target (GitHub's slugs); each `docs/....md` path mentioned in the text exists; and
-nothing points outside the repository (a reader has only the repository).
+nothing points outside the repository (a reader has only the repository). Code that names a
+document (`docs/runtime.md, "Preprocessing"` in a docstring) names one that exists.
 """
 
 from __future__ import annotations
@@ -85,6 +86,21 @@ def _problems(path: Path, root: Path = ROOT) -> list[str]:
 def test_every_link_resolves() -> None:
     problems = [f"{path.parent.relative_to(ROOT)}/{problem}" for path in _documents() for problem in _problems(path)]
     assert not problems, "\n".join(problems)
+
+
+CODE_DIRS = ("libs", "services", "tests", "proto", "deploy")
+
+
+def test_documents_named_in_code_exist() -> None:
+    here = Path(__file__).resolve()  # this module names broken documents on purpose
+    sources = [ROOT / "Makefile"] + [p for d in CODE_DIRS for p in sorted((ROOT / d).rglob("*.py")) if p != here]
+    missing = [
+        f"{path.relative_to(ROOT)}: {mention}"
+        for path in sources
+        for mention in DOC_PATH.findall(path.read_text(encoding="utf-8"))
+        if not (ROOT / mention).exists()
+    ]
+    assert not missing, "\n".join(missing)
 
 
 def test_the_checker_finds_what_is_broken(tmp_path: Path) -> None:
