@@ -95,7 +95,7 @@ bench-vllm: deps ## TTFT and throughput: EPD on vLLM vs vLLM's own E+PD vs vLLM 
 bench-transfer: deps ## NIXL vs memcpy vs inline gRPC throughput, 64 KiB latency (not part of make test)
 	$(PY) tests/benchmarks/bench_transfer.py
 
-# The seed's experiments on the ~100M checkpoint (docs/benchmarks.md); results in docs/benchmarks/.
+# The seed's experiments on the ~100M checkpoint (docs/results/benchmarks.md); results in docs/benchmarks/.
 EXPERIMENTS := $(PY) tests/benchmarks/experiments.py
 bench-all: deps ## every experiment (P3 P8 P7 P7v P4 P5 + planner check), one table (~30 min; not in make test)
 	$(EXPERIMENTS) all

@@ -1,4 +1,4 @@
 """Model runtime (engine) for E/P/D: family adapters, EncoderRunner, PrefillRunner, DecodeRunner.
 
-See docs/engine.md. No protobuf or gRPC imports here; the services map these types onto epd.v1.
+See docs/runtime.md. No protobuf or gRPC imports here; the services map these types onto epd.v1.
 """

@@ -19,7 +19,7 @@ from libs.runtime.media.limits import MediaLimits
 from libs.runtime.types import EmbeddingSpec, EncodedItem, ExtraTensorSpec, MediaInput, Modality, dtype_name
 
 # Bump when the project's preprocessing changes what an item turns into (cached outputs of the old
-# code must not be served): 2 = transformers-processor parity (docs/engine.md, "Preprocessing").
+# code must not be served): 2 = transformers-processor parity (docs/runtime.md, "Preprocessing").
 PREPROCESSING_VERSION = 2
 # The files the family processors read their settings from (transformers' resolution order).
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")

@@ -1,5 +1,5 @@
 """The seed's experiments on the ~100M "small" checkpoint, as ratios against baselines measured in
-the same run (a benchmark script, not a test; pytest does not collect it). docs/benchmarks.md
+the same run (a benchmark script, not a test; pytest does not collect it). docs/results/benchmarks.md
 explains each one and what its ratio means.
 
     .venv/bin/python tests/benchmarks/experiments.py all          # make bench-all: every experiment, one table

@@ -1,4 +1,4 @@
-"""Where the references disagree, the project follows the documented decision (docs/engine.md,
+"""Where the references disagree, the project follows the documented decision (docs/runtime.md,
 "Preprocessing decisions"); each test shows the disagreement is real and which side we take."""
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def processor_kind(path: Path) -> str:
 def reference_image(data: bytes) -> Image.Image:
     """`load_image` up to (not including) its `convert("RGB")`: open, EXIF transpose. Where the
     installed processor drops transparency (transformers 5.19's `convert_to_rgb`), the image is first
-    composited onto white by 5.23's rule: the project follows 5.23 / qwen-vl-utils (docs/engine.md)."""
+    composited onto white by 5.23's rule: the project follows 5.23 / qwen-vl-utils (docs/runtime.md)."""
     image = reference_image_raw(data)
     if has_transparency(image) and not processor_composites_alpha():
         return composite_on_white(image)
@@ -245,7 +245,7 @@ def render_prompt(path: Path, parts: Sequence[str | RefItem], *, trained_video_m
     """The tokenizer's chat template over one user turn. For Qwen3-VL, `trained_video_markers`
     applies the original processor's rule (transformers 4.x `Qwen3VLProcessor.__call__`): the
     template's `<|vision_start|><|video_pad|><|vision_end|>` is replaced as a whole by the per-frame
-    sequence, i.e. the outer pair goes (transformers 5.x keeps it; docs/engine.md)."""
+    sequence, i.e. the outer pair goes (transformers 5.x keeps it; docs/runtime.md)."""
     content = [
         {"type": "text", "text": part} if isinstance(part, str) else {"type": part.modality.value} for part in parts
     ]

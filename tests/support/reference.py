@@ -107,7 +107,7 @@ def reference_inputs(model_path: str | Path, mix: Mix) -> dict[str, Any]:
 def use_trained_mrope(model: Any) -> Any:
     """Qwen2.5-VL: text after a vision item resumes at the item's largest position + 1, as in the
     original implementation (transformers 4.x `get_rope_index`, vLLM), not at start + max(merged h,
-    merged w) as transformers 5.x does (docs/engine.md, "Preprocessing decisions"). Vision positions
+    merged w) as transformers 5.x does (docs/runtime.md, "Preprocessing decisions"). Vision positions
     themselves are 5.x's own `get_vision_position_ids`. Batch of one, no padding (as the tests use)."""
     inner = model.model
     vision = model.config.vision_config

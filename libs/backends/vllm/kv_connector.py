@@ -133,7 +133,7 @@ def _progress_thread_wakeup(wakeup_s: float | None) -> Iterator[None]:
     if wakeup_s is None:
         yield
         return
-    api = importlib.import_module("nixl_cu12._api")  # what vLLM's `nixl._api` aliases (docs/engine.md)
+    api = importlib.import_module("nixl_cu12._api")  # what vLLM's `nixl._api` aliases (docs/vllm.md)
     real = api.nixlBind.nixlAgent
 
     def with_wakeup(name: str, config: Any) -> Any:

@@ -1,7 +1,7 @@
 """vLLM itself: engine arguments, sampling parameters, outputs -> token chunks, errors -> status.
 
 Import this module only in services that chose `--engine vllm` (importing vLLM takes 10-18 s).
-Settings that matter on this machine (docs/engine.md, vLLM):
+Settings that matter on this machine (docs/vllm.md, docs/vllm-operations.md):
 - loopback only: `VLLM_HOST_IP=127.0.0.1`, NIXL side channel on 127.0.0.1, UCX on `lo`;
 - explicit KV-cache bytes (`kv_cache_memory_bytes`): vLLM would otherwise size it from RAM;
 - `enforce_eager` (no graph capture on CPU), float32 (token-identical to the reference runs);
@@ -50,7 +50,7 @@ def cpu_environment(threads: int) -> None:
     """vLLM binds its worker's OpenMP threads to cores itself: with a KV connector on a 2-core host
     it takes every core (it reserves one more for transfers, finds none left, and binds to all),
     and each engine binds the same cores. Unbound, with the service's thread count, the engines of
-    one host share the cores through the OS scheduler (measured: docs/engine.md, P and D on vLLM)."""
+    one host share the cores through the OS scheduler (measured: docs/results/vllm.md, the decode cost)."""
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     os.environ["OMP_NUM_THREADS"] = str(max(1, threads))
 

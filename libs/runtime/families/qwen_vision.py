@@ -141,7 +141,7 @@ def build_mrope(input_len: int, spans: list[tuple[int, torch.Tensor]]) -> tuple[
     next_position + offsets, and text after it resumes at the item's largest position + 1 (the
     original Qwen implementations and vLLM; transformers 5.x resumes Qwen2.5-VL / Qwen3-VL text at
     next_position + max(merged h, merged w), which differs only for a video whose temporal positions
-    outrun its spatial size: docs/engine.md, "Preprocessing decisions").
+    outrun its spatial size: docs/runtime.md, "Preprocessing decisions").
     Returns (positions, rope_delta = max position + 1 - input_len)."""
     pieces: list[torch.Tensor] = []
     cursor = 0

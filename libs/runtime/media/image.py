@@ -5,7 +5,7 @@ image processor's own RGB conversion, transformers 5.23 `image_transforms.conver
 with an alpha band or a palette transparency is composited onto white, anything else (grayscale,
 palette, CMYK, 16-bit) goes through Pillow's `convert("RGB")`. Compositing on white is also what
 qwen-vl-utils (`to_rgb`) and vLLM do; `load_image`'s own `convert("RGB")` would drop the alpha band
-instead (docs/engine.md, "Preprocessing").
+instead (docs/runtime.md, "Preprocessing").
 """
 
 from __future__ import annotations
