@@ -10,7 +10,8 @@ Method (reproducible, independent of the package layout beyond "a project file")
    one hits no encoder cache), wait until every pool is empty, then switch recording on in every
    probed process (SIGUSR1), send ONE image request through the router (the test mix's image,
    greedy, `--tokens` tokens), switch recording off (SIGUSR2: each process writes its record),
-   check the pools were already empty then (`settled_at_stop`), stop the stack.
+   check the pools were already empty then (`settled_at_stop`; else `held_at_stop` names what
+   was still held, and work that gave it back later is not in the record), stop the stack.
 3. A project file is a `.py` file under `libs/` or `services/` of the repository (generated
    `*_pb2*` code and this tool excluded). A file is "entered" when one of its functions is called;
    a cross-file call edge is a (caller file, callee file, callee function) triple of a direct call
@@ -20,7 +21,13 @@ Method (reproducible, independent of the package layout beyond "a project file")
    `--not-orchestration` (fnmatch globs on the repository-relative path; defaults cover both the
    old and the new package names); an orchestration edge has both ends in it. Overall figures are
    the union over processes (a file entered by two processes counts once); per-process ones are
-   that process's alone.
+   that process's alone. `via` counts the triples seen only through a library frame
+   (`callpath_probe`'s docstring), `calls` the calls along the direct edges.
+
+Run to run, distinct edges differ by one or two where timing picks the path (a NIXL read that is
+complete at its first poll makes no `TransferAgent.poll` call); call and entry counts vary more
+(poll loops). The project's commit is recorded with the result; the tool's own files are never
+counted, so a checkout that only adds them measures the commit below it.
 """
 
 from __future__ import annotations
@@ -121,7 +128,7 @@ def merge(records: Iterable[tuple[Mapping[str, int], Iterable[Edge]]]) -> tuple[
     return entered, [Edge(*key, calls=n) for key, n in sorted(calls.items())]
 
 
-def top_files(entered: Mapping[str, int], edges: Sequence[Edge], limit: int = 12) -> list[dict[str, Any]]:
+def top_files(entered: Mapping[str, int], edges: Sequence[Edge], limit: int | None = 12) -> list[dict[str, Any]]:
     """Files by the cross-file calls into them: calls, distinct functions called from other files,
     distinct files calling them, function entries of any caller."""
     rows: list[dict[str, Any]] = []
@@ -169,6 +176,9 @@ def report(records: Sequence[Mapping[str, Any]], scope: Scope) -> dict[str, Any]
             "all": summarize(r["entered"], edges_of(r), via=edges_of(r, "via")),
             "orchestration": summarize(r["entered"], edges_of(r), scope, edges_of(r, "via")),
             "threads": r.get("threads", {}),
+            "files": top_files(r["entered"], edges_of(r), limit=None),
+            "edges": r["edges"],
+            "via": r.get("via", []),
         }
         for label, r in labelled.items()
     }
