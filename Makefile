@@ -20,7 +20,7 @@ SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 # espeak-ng synthesizes the speech the Whisper demo and tests transcribe.
 SYSTEM_PACKAGES := libibverbs1 espeak-ng
 
-.PHONY: help deps proto proto-check lint test test-fast run clean models bench-engine bench-transfer bench-cache bench-vllm bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign fuzz soak
+.PHONY: help deps proto proto-check lint test test-fast run clean models bench-engine bench-transfer bench-cache bench-vllm bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign callpath fuzz soak
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -109,6 +109,13 @@ bench-metadata: deps ## P4 metadata-only prefill vs raw media forwarded (not in 
 	$(EXPERIMENTS) p4
 bench-reassign: deps ## P5 reassigned encoder with/without the shared store, in the harness (not in make test)
 	$(EXPERIMENTS) p5
+
+# The files and cross-file calls one image request passes through, per process (libs/bench/callpath.py).
+CALLPATH_LAYOUT ?= e/p/d
+CALLPATH_ENGINE ?= reference
+callpath: deps models ## files and cross-file calls of one image request (CALLPATH_LAYOUT, CALLPATH_ENGINE); JSON in var/callpath/
+	$(PY) -m libs.bench.callpath --layout $(CALLPATH_LAYOUT) --engine $(CALLPATH_ENGINE) \
+		--out var/callpath/$(subst +,-,$(subst /,-,$(CALLPATH_LAYOUT)))-$(CALLPATH_ENGINE).json
 
 FUZZ_SECONDS ?= 60
 fuzz: deps models ## coverage-guided fuzzing (atheris) of every input surface, FUZZ_SECONDS each; finds in var/fuzz/found
