@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
 import shutil
@@ -62,8 +61,6 @@ ORCHESTRATION = (
     "libs/cache/*",
 )
 NOT_ORCHESTRATION = ("*/families/*", "*/media/*", "*/telemetry/*", "*/telemetry.py")
-# Where the test media helpers live, old layout first.
-SYNTHETIC_MODULES = ("libs.engine.media.synthetic", "libs.runtime.media.synthetic")
 MEASURED_IMAGE = (40, 120, 1)  # the test mix "image" (tests/support/mixes.py)
 WARM_IMAGE = (40, 120, 2)  # same size, other pixels: no cache hit for the measured one
 PROMPT = "what is in this image"
@@ -224,13 +221,9 @@ def table(result: Mapping[str, Any]) -> str:
 
 
 def _png(width: int, height: int, seed: int) -> bytes:
-    for name in SYNTHETIC_MODULES:
-        try:
-            module: Any = importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-        return bytes(module.png_bytes(width, height, seed=seed))
-    raise SystemExit(f"no test media module among {', '.join(SYNTHETIC_MODULES)}")
+    from libs.runtime.media.synthetic import png_bytes
+
+    return png_bytes(width, height, seed=seed)
 
 
 def _request(image: bytes, tokens: int, request_id: str) -> Any:
