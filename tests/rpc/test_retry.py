@@ -7,19 +7,13 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from libs.contract.reasons import STATUS_DETAILS_KEY, Reason, status_details
+from libs.contract.reasons import Reason
 from libs.rpc.retry import CLIENT_RETRIES, DRAINING, GOING_AWAY, going_away, stopping, went_away
+from tests.support.rpc_errors import rpc_error
 
 pytestmark = pytest.mark.unit
 
 UNAVAILABLE, CANCELLED = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED
-
-
-def _error(code: grpc.StatusCode, details: str, reason: Reason | None = None) -> grpc.aio.AioRpcError:
-    trailers = grpc.aio.Metadata()
-    if reason is not None:
-        trailers.add(STATUS_DETAILS_KEY, status_details(code, details, reason))
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers, details=details)
 
 
 def test_every_reason_has_a_client_decision() -> None:
@@ -39,14 +33,14 @@ def test_a_reason_decides_whatever_the_message_says(reason: Reason) -> None:
     going = reason in GOING_AWAY
     for details in ("stage is draining for shutdown", "the encoder went away"):
         assert stopping(UNAVAILABLE, details, reason) == going
-        assert going_away(_error(UNAVAILABLE, details, reason)) == going
-    assert went_away(_error(UNAVAILABLE, "x", reason)) == CLIENT_RETRIES[reason]
+        assert going_away(rpc_error(UNAVAILABLE, details, reason)) == going
+    assert went_away(rpc_error(UNAVAILABLE, "x", reason)) == CLIENT_RETRIES[reason]
 
 
 def test_what_a_client_retries_without_a_reason() -> None:
-    assert went_away(_error(UNAVAILABLE, "connection refused"))
-    assert went_away(_error(CANCELLED, "CANCELLED"))
-    assert not went_away(_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "router is full"))
-    assert not went_away(_error(grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k: negative"))
+    assert went_away(rpc_error(UNAVAILABLE, "connection refused"))
+    assert went_away(rpc_error(CANCELLED, "CANCELLED"))
+    assert not went_away(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "router is full"))
+    assert not went_away(rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k: negative"))
     # An overloaded router's reasoned refusal is not retried, like its reason-less one before.
-    assert not went_away(_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "router is full", Reason.OVERLOADED))
+    assert not went_away(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "router is full", Reason.OVERLOADED))
