@@ -16,7 +16,7 @@ meant before. A reason this build does not know (a newer peer's) is None as well
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -51,12 +51,11 @@ def reason_if_gone(code: grpc.StatusCode, reason: Reason) -> Reason | None:
     return reason if code in GONE_CODES else None
 
 
-def status_details(
-    code: grpc.StatusCode, message: str, reason: Reason, metadata: Mapping[str, str] | None = None
-) -> bytes:
-    """The `grpc-status-details-bin` value of a status with this code, message and reason."""
+def status_details(code: grpc.StatusCode, message: str, reason: Reason) -> bytes:
+    """The `grpc-status-details-bin` value of a status with this code, message and reason (the
+    ErrorInfo's metadata stay empty: contract 1.5 defines none)."""
     status = status_pb2.Status(code=code.value[0], message=message)
-    status.details.add().Pack(error_details_pb2.ErrorInfo(reason=reason.value, domain=DOMAIN, metadata=metadata))
+    status.details.add().Pack(error_details_pb2.ErrorInfo(reason=reason.value, domain=DOMAIN))
     return status.SerializeToString()
 
 
@@ -93,5 +92,6 @@ def reason_in(trailing_metadata: Iterable[Any] | None, code: grpc.StatusCode) ->
 
 
 def reason_of(error: grpc.aio.AioRpcError) -> Reason | None:
-    """The reason a failed call carries; None when the peer sent none (older minor versions)."""
+    """The reason a failed call carries; None when it carries none (a peer of an older minor
+    version, grpc core's own statuses) or one this build does not know."""
     return reason_in(error.trailing_metadata(), error.code())

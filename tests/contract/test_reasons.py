@@ -188,6 +188,6 @@ def test_the_epd_error_info_is_found_among_other_details() -> None:
 @pytest.mark.parametrize("reason", list(Reason))
 def test_every_reason_encodes_and_decodes(reason: Reason) -> None:
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    trailers = ((STATUS_DETAILS_KEY, status_details(code, "m", reason, {"lane": "prefill"})),)
+    trailers = ((STATUS_DETAILS_KEY, status_details(code, "m", reason)),)
     assert reason_in(trailers, code) == reason
     assert reason_in(trailers, grpc.StatusCode.UNAVAILABLE) is None  # the code must match
