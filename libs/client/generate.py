@@ -89,7 +89,8 @@ async def generate(
     """Call `Generate` and collect the stream; `on_text` sees each text delta as it arrives.
 
     With `retry_unavailable`, a call that failed before any token arrived because the server was
-    going away (`libs.rpc.retry.went_away`: UNAVAILABLE while it drains or restarts, or the
+    going away (`libs.rpc.retry.went_away`, by the failure's reason: draining, stopped, its engine
+    restarting; from a server that sends none, UNAVAILABLE while it drains or restarts, or the
     CANCELLED grpc core gives calls still queued when a server stops) is retried after a pause
     growing to 0.5 s, at most `max_retries` times and within the deadline, the channel waiting for
     the server to be ready: what a client of a service under a rolling upgrade does.
@@ -116,7 +117,7 @@ async def generate(
                     result.prompt_tokens = response.usage.prompt_tokens
                     result.completion_tokens = response.usage.completion_tokens
         except grpc.aio.AioRpcError as exc:
-            again = retry_unavailable and went_away(exc.code()) and not result.token_ids
+            again = retry_unavailable and went_away(exc) and not result.token_ids
             pause = min(0.5, 0.05 * 1.5 ** len(retried))
             out_of_time = deadline is not None and deadline - time.perf_counter() < 2 * pause
             if not again or len(retried) >= max_retries or out_of_time:

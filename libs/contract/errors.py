@@ -4,6 +4,10 @@ Semantic problems are ours (INVALID_ARGUMENT naming the field, FAILED_PRECONDITI
 spec mismatches, UNAVAILABLE when a peer is gone, RESOURCE_EXHAUSTED when a bounded queue or pool
 is full, DEADLINE_EXCEEDED when the deadline passes). Malformed wire bytes never reach our code:
 gRPC fails them itself with INTERNAL.
+
+An error may also carry a `Reason` (libs/contract/reasons.py): why, in terms a caller acts on
+(DRAINING, EMBEDDING_GONE, ...). Servers send it with the status (contract 1.5); raise sites set
+it where they know the meaning.
 """
 
 from __future__ import annotations
@@ -12,15 +16,19 @@ from typing import ClassVar
 
 import grpc
 
+from libs.contract.reasons import Reason
+
 
 class EpdError(Exception):
-    """Base of all typed EPD errors; `code` is the gRPC status the error maps to."""
+    """Base of all typed EPD errors; `code` is the gRPC status the error maps to, `reason` (when
+    known) why, for the caller."""
 
     code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, reason: Reason | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.reason = reason
 
 
 class InvalidArgument(EpdError):
@@ -28,8 +36,8 @@ class InvalidArgument(EpdError):
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
+    def __init__(self, field: str, problem: str, *, reason: Reason | None = None) -> None:
+        super().__init__(f"{field}: {problem}", reason=reason)
         self.field = field
         self.problem = problem
 
@@ -91,9 +99,9 @@ _BY_CODE: dict[grpc.StatusCode, type[EpdError]] = {
 }
 
 
-def error_for(code: grpc.StatusCode, message: str, field: str = "request") -> EpdError:
+def error_for(code: grpc.StatusCode, message: str, field: str = "request", *, reason: Reason | None = None) -> EpdError:
     """The typed error for a status code (e.g. one a lower layer or a peer reported)."""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidArgument(field, message)
+        return InvalidArgument(field, message, reason=reason)
     cls = _BY_CODE.get(code)
-    return cls(message) if cls is not None else EpdError(message)
+    return cls(message, reason=reason) if cls is not None else EpdError(message, reason=reason)

@@ -2,7 +2,9 @@
 
 Install `ErrorMappingInterceptor` on a `grpc.aio.server`: handlers then simply raise. An
 `InvalidArgument` also names its field in the trailing metadata key `epd-error-field`, so clients
-can react without parsing the message. Any other exception becomes INTERNAL with a generic message
+can react without parsing the message; an error with a `reason` carries it as a `google.rpc.Status`
+with an `ErrorInfo` in `grpc-status-details-bin` (contract 1.5, libs/contract/reasons.py), next
+to the field key when both apply. Any other exception becomes INTERNAL with a generic message
 (the details go to the log, not to the client). Request bytes that do not parse also end as
 INTERNAL (grpc-python alone would answer UNKNOWN), and the handler never runs.
 
@@ -20,6 +22,7 @@ import grpc
 import structlog
 
 from libs.contract.errors import EpdError, InvalidArgument
+from libs.contract.reasons import STATUS_DETAILS_KEY, status_details
 
 ERROR_FIELD_METADATA_KEY = "epd-error-field"
 
@@ -34,9 +37,14 @@ def end_call(context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode,
 
 
 def end_with(context: grpc.aio.ServicerContext[Any, Any], error: EpdError) -> None:
-    """`end_call` with the status `error` maps to."""
+    """`end_call` with the status `error` maps to, and its field and reason in the trailers."""
+    trailers: list[tuple[str, str | bytes]] = []
     if isinstance(error, InvalidArgument):
-        context.set_trailing_metadata(((ERROR_FIELD_METADATA_KEY, error.field),))
+        trailers.append((ERROR_FIELD_METADATA_KEY, error.field))
+    if error.reason is not None:
+        trailers.append((STATUS_DETAILS_KEY, status_details(error.code, error.message, error.reason)))
+    if trailers:
+        context.set_trailing_metadata(tuple(trailers))
     end_call(context, error.code, error.message)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from opentelemetry import metrics
 
 from libs.contract.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from libs.contract.reasons import Reason
 from libs.telemetry.logging import bind_request
 from libs.telemetry.stages import stage
 
@@ -78,7 +79,7 @@ class Admission:
     async def slot(self, deadline: float | None = None, priority: int = 0) -> AsyncIterator[None]:
         """Hold a running slot for the body. `deadline` is a `time.monotonic()` instant."""
         if self.closed:
-            raise Unavailable(f"{self.name} is draining for shutdown; retry elsewhere or later")
+            raise Unavailable(f"{self.name} is draining for shutdown; retry elsewhere or later", reason=Reason.DRAINING)
         with stage(f"{self.name}.queue", "queue", **{"epd.priority": priority}):
             await self._acquire(deadline, priority)
         try:
@@ -92,7 +93,8 @@ class Admission:
             return
         if self.waiting >= self.max_waiting:
             raise ResourceExhausted(
-                f"{self.name} is full: {self.running} running, {self.waiting} waiting (limit {self.max_waiting})"
+                f"{self.name} is full: {self.running} running, {self.waiting} waiting (limit {self.max_waiting})",
+                reason=Reason.OVERLOADED,
             )
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._heap, (-priority, next(self._arrivals), future))

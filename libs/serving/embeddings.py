@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from libs.contract.epd.v1 import chat_pb2
 from libs.contract.errors import DeadlineExceeded
+from libs.contract.reasons import Reason
 from libs.runtime import types as eng
 from libs.serving import convert
 from libs.serving.transport import Transport, transport_name
@@ -68,6 +69,7 @@ async def fetch_encoded(
             expected=expected,
             timeout_s=timeout,
             on_abandon=FetchedItems.release_all,
+            gone=Reason.EMBEDDING_GONE,
         )
         record_transfer(
             span,

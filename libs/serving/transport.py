@@ -4,7 +4,9 @@
   `NixlAgentRef.producer_address`), after checking the peer's contract version and model identity
   (first contact); the transfer library caches it per incarnation.
 - Blocking transfer calls run on a small thread pool of their own, so READs overlap model compute.
-- Transfer errors become typed contract errors with the same status code.
+- Transfer errors become typed contract errors with the same status code, and a reason where the
+  failure has one: a read of data that is no longer there carries the reason the caller names
+  (EMBEDDING_GONE, KV_GONE), a full pool OVERLOADED, our own agent closed SERVER_STOPPED.
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ from libs.contract.epd.v1 import (
     tensor_pb2,
 )
 from libs.contract.errors import EpdError, error_for
+from libs.contract.reasons import Reason, reason_if_gone
 from libs.rpc.peers import check_peer
 from libs.rpc.server import sync_channel
 from libs.serving.settings import ModelServiceSettings
 from libs.transfer import (
+    AgentClosed,
     AgentMetadata,
     PeerUnavailable,
+    PoolExhausted,
     TensorConsumer,
     TensorProducer,
     TransferAgent,
@@ -49,13 +54,23 @@ PRODUCER_ROLES = (
 )
 
 
+def _reason(exc: TransferError, gone: Reason | None) -> Reason | None:
+    if isinstance(exc, AgentClosed):
+        return Reason.SERVER_STOPPED  # this process is shutting down, not the peer
+    if isinstance(exc, PoolExhausted):
+        return Reason.OVERLOADED
+    return None if gone is None else reason_if_gone(exc.grpc_code, gone)
+
+
 @contextmanager
-def transfer_errors() -> Iterator[None]:
-    """Re-raise transfer errors as contract errors carrying the same gRPC code."""
+def transfer_errors(gone: Reason | None = None) -> Iterator[None]:
+    """Re-raise transfer errors as contract errors carrying the same gRPC code; `gone` is the
+    reason of a read whose data is no longer there (NOT_FOUND, UNAVAILABLE, DATA_LOSS)."""
     try:
         yield
     except TransferError as exc:
-        raise error_for(exc.grpc_code, exc.message, getattr(exc, "field", "") or "handle") from exc
+        field = getattr(exc, "field", "") or "handle"
+        raise error_for(exc.grpc_code, exc.message, field, reason=_reason(exc, gone)) from exc
 
 
 def transport_name(handles: Sequence[tensor_pb2.TensorHandle]) -> str:
@@ -147,15 +162,21 @@ class Transport:
             self.producer = TensorProducer(self.agent, producer_address=address)
 
     async def run(
-        self, fn: Callable[..., T], *args: Any, on_abandon: Callable[[T], object] | None = None, **kwargs: Any
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        on_abandon: Callable[[T], object] | None = None,
+        gone: Reason | None = None,
+        **kwargs: Any,
     ) -> T:
         """Run a blocking transfer call on the transfer threads. If the caller is cancelled
         (client gone, deadline) while it runs, `on_abandon` gets its result once it finishes, so
-        slots and leases it took are given back instead of leaking."""
+        slots and leases it took are given back instead of leaking. `gone`: the reason a failed
+        read of data that is no longer there carries (`transfer_errors`)."""
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
         try:
-            with transfer_errors():
+            with transfer_errors(gone):
                 return await asyncio.shield(future)
         except asyncio.CancelledError:
             if on_abandon is not None:

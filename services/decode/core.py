@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from libs.contract.epd.v1 import decode_pb2
 from libs.contract.errors import DeadlineExceeded
+from libs.contract.reasons import Reason
 from libs.contract.validation import Limits, validate_decode_request
 from libs.runtime import types as eng
 from libs.runtime.kv import cross_kv_names, kv_names
@@ -68,6 +69,7 @@ class DecodeCore:
                 expected=expected,
                 timeout_s=timeout,
                 on_abandon=lambda r: r.release(),
+                gone=Reason.KV_GONE,
             )
             try:
                 # Our own copy: the decode batch outlives the request's slot, which goes back now.

@@ -9,6 +9,7 @@ import pytest
 
 from libs.backends.vllm.supervisor import EngineSupervisor
 from libs.contract.errors import Unavailable
+from libs.contract.reasons import Reason
 
 pytestmark = pytest.mark.unit
 
@@ -40,8 +41,9 @@ def test_a_dead_engine_is_refused_reported_and_replaced() -> None:
         sup.watch_health(setter)
         assert sup.current() is built[0]
         built[0].errored = True
-        with pytest.raises(Unavailable):
+        with pytest.raises(Unavailable) as refused:
             sup.current()
+        assert refused.value.reason == Reason.ENGINE_RESTARTING
         # Until the watcher (polling every 10 ms) replaced it: two thread hops (shut down, build),
         # which a loaded host may delay; bounded generously.
         deadline = asyncio.get_running_loop().time() + 30

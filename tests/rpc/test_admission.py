@@ -1,4 +1,5 @@
-"""Admission control without a socket: bounded running and waiting, deadlines while waiting."""
+"""Admission control without a socket: bounded running and waiting, deadlines while waiting, and the
+reasons its refusals carry (OVERLOADED when full, DRAINING once closed)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from libs.contract.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from libs.contract.reasons import Reason
 from libs.rpc.admission import Admission, deadline_of
 
 pytestmark = pytest.mark.unit
@@ -40,9 +42,10 @@ def test_bounds_running_and_waiting_then_returns_to_empty() -> None:
         tasks = [asyncio.ensure_future(work()) for _ in range(3)]
         await _until(lambda: admission.running + admission.waiting == 3)
         assert (admission.running, admission.waiting) == (2, 1)
-        with pytest.raises(ResourceExhausted, match="prefill is full: 2 running, 1 waiting"):
+        with pytest.raises(ResourceExhausted, match="prefill is full: 2 running, 1 waiting") as refused:
             async with admission.slot():
                 pass
+        assert refused.value.reason == Reason.OVERLOADED
         release.set()
         await asyncio.gather(*tasks)
         assert peak == 2
@@ -100,9 +103,11 @@ def test_draining_refuses_new_work_but_finishes_admitted() -> None:
         admission = Admission("prefill", max_running=1, max_waiting=4)
         async with admission.slot():
             admission.close()
-            with pytest.raises(Unavailable, match="draining"):
+            # The reason for 1.5 callers, the word for older ones (libs/rpc/retry.py's fallback).
+            with pytest.raises(Unavailable, match="draining") as refused:
                 async with admission.slot():
                     pass
+            assert refused.value.reason == Reason.DRAINING
         assert await admission.idle(1.0)
 
     asyncio.run(scenario())

@@ -28,6 +28,7 @@ from libs.contract.epd.v1 import (
     tensor_pb2,
 )
 from libs.contract.grpc_status import ERROR_FIELD_METADATA_KEY
+from libs.contract.reasons import Reason, reason_of
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack, StackSpec
 from libs.runtime.checkpoints import ensure_checkpoint
@@ -217,6 +218,7 @@ def test_stale_embedding_handle_fails_cleanly_at_prefill(stacks: Callable[[str],
         prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(metadata_only, timeout=30)
     # The released slot was poisoned, so the read fails its checksum instead of serving stale bytes.
     assert caught.value.code() in {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS}
+    assert reason_of(caught.value) == Reason.EMBEDDING_GONE  # what the router re-encodes for
     assert _healthy(prefill)
     # Prefill keeps serving: a normal request through the router still works.
     (result,) = run_requests(stack.address, [request_for(MIXES["image"])])

@@ -36,6 +36,7 @@ from libs.backends.vllm.supervisor import EngineSupervisor
 from libs.contract import version
 from libs.contract.epd.v1 import decode_pb2, generation_pb2, prefill_pb2, service_info_pb2, service_info_pb2_grpc
 from libs.contract.errors import DataLoss, EpdError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from libs.contract.reasons import Reason
 from libs.rpc.peers import check_peer
 from libs.rpc.server import open_channel
 from libs.serving import convert
@@ -63,7 +64,7 @@ class Producers:
                     service_info_pb2.GetServiceInfoRequest(caller_contract_version=version.current()), timeout=5
                 )
         except grpc.aio.AioRpcError as exc:
-            raise Unavailable(f"prefill {address} unreachable: {exc.code().name}") from None
+            raise Unavailable(f"prefill {address} unreachable: {exc.code().name}", reason=Reason.KV_GONE) from None
         info = reply.info
         check_peer(info, address, roles=[service_info_pb2.SERVICE_ROLE_PREFILL], model=self._model)
         if engine_of(info) != "vllm":
@@ -105,7 +106,8 @@ class FirstTokenFilter:
             if token_ids[0] != self._token:
                 raise DataLoss(
                     f"kv_cache: decode's first token {token_ids[0]} differs from prefill's {self._token}: "
-                    "the KV it read is not the one prefill computed"
+                    "the KV it read is not the one prefill computed",
+                    reason=Reason.KV_GONE,
                 )
             token_ids, self._token = token_ids[1:], None
         if self._text:
@@ -169,7 +171,10 @@ class VllmDecode:
         if not state.HasField("engine_prompt"):
             raise InvalidArgument("decode_state.engine_prompt", "is required with kv_cache.paged")
         if kv.paged.lease_expire_time.ToNanoseconds() / 1e9 - time.time() < _EXPIRY_MARGIN_S:
-            raise NotFound("kv_cache.paged.lease_expire_time: the KV cache's lease expired; prefill freed its blocks")
+            raise NotFound(
+                "kv_cache.paged.lease_expire_time: the KV cache's lease expired; prefill freed its blocks",
+                reason=Reason.KV_GONE,
+            )
         layers, heads, head_dim = self.planner.kv_dims()
         got = (kv.layout.num_layers, kv.layout.num_kv_heads, kv.layout.head_dim)
         if got != (layers, heads, head_dim):
@@ -224,7 +229,8 @@ class VllmDecode:
                 if out.outputs[0].finish_reason == "error":
                     raise NotFound(
                         "kv_cache.paged: decode's engine could not read the KV cache from prefill (its blocks "
-                        "are gone: released, expired, or the prefill engine restarted)"
+                        "are gone: released, expired, or the prefill engine restarted)",
+                        reason=Reason.KV_GONE,
                     )
                 chunk, finished = runtime.chunk(out)
                 token_ids, text = skip_first(list(chunk.token_ids), chunk.text)

@@ -21,6 +21,7 @@ from libs.backends.settings import EngineSettings
 from libs.backends.vllm.requests import ItemDescriptor
 from libs.contract.epd.v1 import generation_pb2
 from libs.contract.errors import EpdError, InvalidArgument, Unavailable
+from libs.contract.reasons import Reason
 from libs.runtime import types as eng
 from libs.serving.convert import chunk_to_wire
 from libs.serving.settings import ChunkedPrefillSettings
@@ -186,7 +187,9 @@ def engine_error(exc: BaseException) -> EpdError:
     from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
     if isinstance(exc, EngineDeadError | EngineGenerateError):
-        return Unavailable(f"vLLM engine failed ({type(exc).__name__}); it is restarting")
+        return Unavailable(
+            f"vLLM engine failed ({type(exc).__name__}); it is restarting", reason=Reason.ENGINE_RESTARTING
+        )
     if isinstance(exc, ValueError):
         return InvalidArgument("request", f"vLLM refused the request: {exc}")
     return Unavailable(f"vLLM request failed: {type(exc).__name__}: {exc}")

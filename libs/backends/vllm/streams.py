@@ -14,6 +14,7 @@ from typing import Any
 from libs.backends.vllm.requests import ItemDescriptor
 from libs.contract.epd.v1 import service_info_pb2, tensor_pb2
 from libs.contract.errors import DeadlineExceeded, Unavailable, error_for
+from libs.contract.reasons import Reason, reason_if_gone
 from libs.serving.transport import MetadataResolver
 from libs.telemetry.stages import count_transfer
 from libs.transfer import PeerUnavailable
@@ -33,7 +34,7 @@ class EncoderAgents:
             try:
                 self._metadata[key] = self._resolver(ref)
             except PeerUnavailable as exc:
-                raise Unavailable(f"encoder {ref.producer_address}: {exc}") from None
+                raise Unavailable(f"encoder {ref.producer_address}: {exc}", reason=Reason.EMBEDDING_GONE) from None
         return self._metadata[key]
 
     def close(self) -> None:
@@ -62,7 +63,8 @@ def raise_load_failure(path: Path) -> None:
     import grpc
 
     code = getattr(grpc.StatusCode, str(report.get("code", "UNAVAILABLE")), grpc.StatusCode.UNAVAILABLE)
-    raise error_for(code, f"embedding read failed in the vLLM worker: {report.get('message', '')}", "items")
+    message = f"embedding read failed in the vLLM worker: {report.get('message', '')}"
+    raise error_for(code, message, "items", reason=reason_if_gone(code, Reason.EMBEDDING_GONE))
 
 
 def count_embedding_bytes(items: dict[str, ItemDescriptor]) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import structlog
 
 from libs.contract.errors import Unavailable
+from libs.contract.reasons import Reason
 
 _log = structlog.get_logger(__name__)
 
@@ -54,7 +55,9 @@ class EngineSupervisor:
         """The live engine, or UNAVAILABLE while it restarts."""
         engine = self._engine
         if engine is None or engine.errored:
-            raise Unavailable("vLLM engine is restarting after a failure; retry shortly")
+            raise Unavailable(
+                "vLLM engine is restarting after a failure; retry shortly", reason=Reason.ENGINE_RESTARTING
+            )
         return engine
 
     @property
