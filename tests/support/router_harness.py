@@ -159,7 +159,7 @@ class Harness:
         self.checks = PassingChecks()
         if "encoder_cache" in kw:
             self.checks.cache_of = kw["encoder_cache"]
-        backends = Backends(
+        self.backends = backends = Backends(
             encoder=self.encoders.__getitem__,
             lease=self.leases.stub,
             checks=self.checks,
