@@ -74,6 +74,13 @@ def test_every_encoder_down_fails_unavailable_and_releases() -> None:
     assert h.prefill.requests == []
 
 
+def test_a_failing_item_is_retried_on_one_other_encoder_only() -> None:
+    h = Harness(n_encoders=3, fail={f"enc{i}": grpc.StatusCode.INTERNAL for i in range(3)})
+    with pytest.raises(RpcFailed) as caught:
+        asyncio.run(h.tokens(image_request(1)))
+    assert caught.value.code == grpc.StatusCode.INTERNAL and len(h.log) == 2  # a bad item visits two at most
+
+
 def test_bad_media_is_invalid_argument_and_other_leases_are_released() -> None:
     h = Harness(n_encoders=1)
     request = image_request(2)
