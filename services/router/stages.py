@@ -35,9 +35,10 @@ from libs.contract.epd.v1 import (
 )
 from libs.telemetry.stages import ATTRIBUTION, calls_under, phase, start_phase
 from services.router.backends import Backends, Stages
-from services.router.failover import Failover, remaining
+from services.router.failover import Check, Failover, remaining
 from services.router.leases import RequestState
-from services.router.policy import MEMBER_RETRIES, RpcFailed
+from services.router.policy import MEMBER_RETRIES, RpcFailed, Stage
+from services.router.pool import MemberPool
 
 _log = structlog.get_logger(__name__)
 Reply = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
@@ -99,7 +100,7 @@ class StageClients:
             return self._prefill_decode(messages, request, state, deadline)
         return self._split(messages, request, state, deadline)
 
-    def _failover(self, pool: Any, stage: Any, deadline: float | None, check: Any) -> Failover:
+    def _failover(self, pool: MemberPool | None, stage: Stage, deadline: float | None, check: Check) -> Failover:
         assert pool is not None, f"no {stage} pool for the backends' layout"
         return Failover(pool, stage, MEMBER_RETRIES, deadline, check)
 
