@@ -6,7 +6,8 @@ it), the encoder `EncoderPool` places it on (the one already holding or encoding
 load-bounded rendezvous choice), first-contact check, and the `Encode` call through `Failover`
 with the encode retries (services/router/policy.py: one retry on another encoder, the drain wait
 for a stage that is going away). An item in the shared store the encoder loads from goes as a
-CACHED_ONLY job, so no encoder computes it. The answer's handle names the encoder's incarnation:
+CACHED_ONLY job, so no encoder computes it; an entry gone since the lookup is computed by the same
+encoder on the next try. The answer's handle names the encoder's incarnation:
 re-checked, an encoder gone since it answered took the embedding along, which is retried as a
 failed encode. Every embedding a request gets is held by its `RequestState` (released by the
 router when the request ends without prefill acking it), whether or not its siblings succeed.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import structlog
 
 from libs.contract.epd.v1 import chat_pb2, encoder_pb2, generate_pb2, layout_pb2, tensor_pb2
 from libs.contract.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -24,10 +26,12 @@ from libs.contract.validation import Limits
 from libs.telemetry.stages import phase
 from services.router.cache_lookup import CacheLookup, item_hash
 from services.router.encoders import EncoderPool
-from services.router.failover import Failover, MemberGone
+from services.router.failover import Failover, MemberGone, TryAgain
 from services.router.leases import Leases, RequestState
 from services.router.policy import ENCODE_RETRIES, RpcFailed
 from services.router.stages import StageClients
+
+_log = structlog.get_logger(__name__)
 
 
 class EncodeDispatch:
@@ -94,14 +98,23 @@ class EncodeDispatch:
                 self._encoders.remember(key, address)  # concurrent requests for the item follow it here
             return address
 
+        async def cached_here(address: str) -> bool:
+            return not computing and await self._in_shared_store(address, key)
+
         async def on(address: str) -> layout_pb2.EncodedMedia:
             nonlocal computing
-            cached = not computing and await self._in_shared_store(address, key)
             try:
-                reply = await self._clients.encode_on(address, job, state.priority, cached, deadline)
-            finally:
-                # A CACHED_ONLY job that found nothing went on computing: so do its retries.
-                computing = computing or (cached and job.cache_policy != encoder_pb2.CACHE_POLICY_CACHED_ONLY)
+                reply = await self._clients.encode_on(
+                    address, job, state.priority, lambda: cached_here(address), deadline
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND and job.cache_policy == encoder_pb2.CACHE_POLICY_CACHED_ONLY:
+                    # Evicted, rejected as invalid or unreachable since our lookup: the same encoder
+                    # computes it (its single-flight still joins concurrent requests).
+                    _log.info("cached item gone before its load; computing", encoder=address)
+                    computing = True
+                    raise TryAgain from None
+                raise
             return await self._checked(address, index, reply)
 
         async def check(address: str) -> None:

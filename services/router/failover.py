@@ -74,6 +74,11 @@ class MemberGone(Exception):
     another member as a failed call that may go elsewhere; the cause is raised when none may."""
 
 
+class TryAgain(Exception):
+    """Raised by a try that is to be made again, its member included (its job changed: e.g. a
+    CACHED_ONLY encode whose entry was gone is computed next)."""
+
+
 Check = Callable[[str], Awaitable[None]]
 
 
@@ -116,6 +121,8 @@ class Failover:
                 if not self._elsewhere():
                     raise gone.__cause__ or gone from None
                 _log.warning(f"{self.pool.stage} gone after answering; trying another", member=address)
+            except TryAgain:
+                self._tried.discard(address)
             finally:
                 self.pool.end(address)
 

@@ -3,8 +3,7 @@
 `Failover` (services/router/failover.py).
 
 - `encode_on`: the job on one encoder, CACHED_ONLY when the item is in the store the encoder
-  loads from; an entry gone since the lookup (NOT_FOUND) is computed by the same encoder at once
-  (its single-flight still joins concurrent requests).
+  loads from.
 - `prefill_and_decode`: the request's messages (media parts already replaced by their `encoded`
   parts) go to prefill; its KV cache goes to any decode. The request's `RequestState` holds the
   embeddings until prefill (or PD) acks them, and the KV until decode acks it. A prefill, decode or
@@ -16,7 +15,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -56,36 +55,33 @@ class StageClients:
         self.stages = stages
 
     async def encode_on(
-        self, address: str, job: encoder_pb2.EncodeRequest, priority: int, cached: bool, deadline: float | None
+        self,
+        address: str,
+        job: encoder_pb2.EncodeRequest,
+        priority: int,
+        cached: Callable[[], Awaitable[bool]],
+        deadline: float | None,
     ) -> encoder_pb2.EncodeResponse:
         """`job` (one item) on the encoder at `address`, at the request's `priority` where the
-        encoder honors it; CACHED_ONLY when `cached`."""
+        encoder honors it; CACHED_ONLY when `cached()` says the encoder can load it from the store."""
         item = job.items[0]
-        job.priority = self.backends.priority_for(address, priority)
-        policy = encoder_pb2.CACHE_POLICY_CACHED_ONLY if cached else encoder_pb2.CACHE_POLICY_UNSPECIFIED
-        while True:
+        with phase(
+            "epd.encode.item",
+            **{
+                ATTRIBUTION: "rpc",
+                "epd.item_index": item.item_index,
+                "epd.modality": media_pb2.Modality.Name(item.media.modality),
+                "epd.encoder": address,
+            },
+        ) as span:
+            job.priority = self.backends.priority_for(address, priority)
+            policy = encoder_pb2.CACHE_POLICY_CACHED_ONLY if await cached() else encoder_pb2.CACHE_POLICY_UNSPECIFIED
             job.cache_policy = policy
-            with phase(
-                "epd.encode.item",
-                **{
-                    ATTRIBUTION: "rpc",
-                    "epd.item_index": item.item_index,
-                    "epd.modality": media_pb2.Modality.Name(item.media.modality),
-                    "epd.encoder": address,
-                    "epd.cache.policy": encoder_pb2.CachePolicy.Name(policy),
-                },
-            ):
-                try:
-                    reply: encoder_pb2.EncodeResponse = await self.backends.encoder(address).Encode(
-                        job, timeout=remaining(deadline)
-                    )
-                    return reply
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.NOT_FOUND or policy != encoder_pb2.CACHE_POLICY_CACHED_ONLY:
-                        raise
-            # Evicted, rejected as invalid or unreachable since our lookup: the same encoder computes it.
-            _log.info("cached item gone before its load; computing", encoder=address)
-            policy = encoder_pb2.CACHE_POLICY_UNSPECIFIED
+            span.set_attribute("epd.cache.policy", encoder_pb2.CachePolicy.Name(job.cache_policy))
+            reply: encoder_pb2.EncodeResponse = await self.backends.encoder(address).Encode(
+                job, timeout=remaining(deadline)
+            )
+            return reply
 
     def prefill_and_decode(
         self,
