@@ -120,7 +120,7 @@ class Failover:
             except MemberGone as gone:
                 if not self._elsewhere():
                     raise gone.__cause__ or gone from None
-                _log.warning(f"{self.pool.stage} gone after answering; trying another", member=address)
+                self._retrying(address, gone=True)
             except TryAgain:
                 self._tried.discard(address)
             finally:
@@ -165,14 +165,12 @@ class Failover:
             try:
                 await self._check(address)
                 return address
-            except FailedPrecondition as exc:
-                if not self.pool.untried(self._tried):
+            except (FailedPrecondition, Unavailable) as exc:
+                # An incompatible member: any other one; an unreachable one: within the retries.
+                another = self.pool.untried(self._tried) if isinstance(exc, FailedPrecondition) else self._elsewhere()
+                if not another:
                     raise
                 _log.warning(f"{self.pool.stage} not usable; trying another", member=address, error=str(exc)[:200])
-            except Unavailable as exc:
-                if not self._elsewhere():
-                    raise
-                _log.warning(f"{self.pool.stage} unreachable; trying another", member=address, error=str(exc)[:200])
 
     async def _again(self, address: str, exc: grpc.aio.AioRpcError) -> bool:
         """Whether to try again after `address` failed the call with `exc` before its first reply."""
@@ -182,9 +180,18 @@ class Failover:
         if what.elsewhere and self._elsewhere():
             if self._retries.avoid_s is not None:
                 self.pool.draining(address, for_s=self._retries.avoid_s)
-            _log.warning(f"{self.pool.stage} refused; trying another", member=address, code=exc.code().name)
+            self._retrying(address, code=exc.code().name)
             return True
         if what.wait and await self._drain.pause():
             self._tried.clear()  # every member we may try is draining or stopping: wait for one
             return True
         return False
+
+    def _retrying(self, address: str, gone: bool = False, **fields: str) -> None:
+        # The events operators (and tests/services) read in the router's log.
+        if self._stage != "encode":
+            _log.warning(f"{self.pool.stage} refused; trying another", member=address, **fields)
+        elif gone:
+            _log.warning("encoder gone after answering; encoding elsewhere", encoder=address)
+        else:
+            _log.warning("encoder failed; retrying elsewhere", encoder=address, **fields)
