@@ -117,10 +117,8 @@ class EncodeDispatch:
                 raise
             return await self._checked(address, index, reply)
 
-        async def check(address: str) -> None:
-            await self._checks.encoder(address, None)
-
-        encoders = Failover(self._encoders, "encode", ENCODE_RETRIES, deadline, check, pick=place)
+        # The first-contact check runs in the try, inside its span (`StageClients.encode_on`).
+        encoders = Failover(self._encoders, "encode", ENCODE_RETRIES, deadline, None, pick=place)
         try:
             return await encoders.unary(on)
         except grpc.aio.AioRpcError as exc:

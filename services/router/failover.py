@@ -2,14 +2,14 @@
 every stage call (encode, prefill, decode, PD) runs through.
 
 `Failover` picks the member for each try (the pool's pick: least loaded, or placement for
-encoders), passes it through its first-contact check, counts the call as outstanding while it
-runs, and after a failure before the first reply asks the policy (services/router/policy.py)
-what it means: pass the member over, try another member not tried yet (within the stage's
-`Retries`), or, when every member we may try is draining or stopping, wait (`DrainWait`) within the
-request's deadline and `DRAIN_WAIT_S`, and try them again. With one member this is the drain wait
-alone, and calls wait for a restarting member (`wait_for_ready`); with several, a member that
-cannot be reached fails fast and the next one is tried. From the first reply on, a failure is the
-caller's.
+encoders), passes it through its first-contact check (or leaves that to the try, inside its
+span: encodes), counts the call as outstanding while it runs, and after a failure before the
+first reply asks the policy (services/router/policy.py) what it means: pass the member over,
+try another member not tried yet (within the stage's `Retries`), or, when every member we may
+try is draining or stopping, wait (`DrainWait`) within the request's deadline and
+`DRAIN_WAIT_S`, and try them again. With one member this is the drain wait alone, and calls wait
+for a restarting member (`wait_for_ready`); with several, a member that cannot be reached fails
+fast and the next one is tried. From the first reply on, a failure is the caller's.
 
 Backend calls get the request's deadline less `ANSWER_MARGIN_S` (`remaining`): when a stage is down
 (calls wait for its replacement) or slow, the router still answers, with a status naming the
@@ -91,7 +91,7 @@ class Failover:
         stage: Stage,
         retries: Retries,
         deadline: float | None,
-        check: Check,
+        check: Check | None,
         pick: Callable[[set[str]], str] | None = None,
     ) -> None:
         self.pool = pool
@@ -123,6 +123,9 @@ class Failover:
                 self._retrying(address, gone=True)
             except TryAgain:
                 self._tried.discard(address)
+            except (FailedPrecondition, Unavailable) as exc:
+                if not self._another(address, exc):  # the try's own first-contact check
+                    raise
             finally:
                 self.pool.end(address)
 
@@ -162,15 +165,22 @@ class Failover:
         while True:
             address = self._pick(self._tried)
             self._tried.add(address)
+            if self._check is None:
+                return address
             try:
                 await self._check(address)
                 return address
             except (FailedPrecondition, Unavailable) as exc:
-                # An incompatible member: any other one; an unreachable one: within the retries.
-                another = self.pool.untried(self._tried) if isinstance(exc, FailedPrecondition) else self._elsewhere()
-                if not another:
+                if not self._another(address, exc):
                     raise
-                _log.warning(f"{self.pool.stage} not usable; trying another", member=address, error=str(exc)[:200])
+
+    def _another(self, address: str, exc: FailedPrecondition | Unavailable) -> bool:
+        """Whether another member may be tried after `address` failed its first-contact check."""
+        # An incompatible member: any other one; an unreachable one: within the retries.
+        another = self.pool.untried(self._tried) if isinstance(exc, FailedPrecondition) else self._elsewhere()
+        if another:
+            _log.warning(f"{self.pool.stage} not usable; trying another", member=address, error=str(exc)[:200])
+        return another
 
     async def _again(self, address: str, exc: grpc.aio.AioRpcError) -> bool:
         """Whether to try again after `address` failed the call with `exc` before its first reply."""

@@ -62,8 +62,9 @@ class StageClients:
         cached: Callable[[], Awaitable[bool]],
         deadline: float | None,
     ) -> encoder_pb2.EncodeResponse:
-        """`job` (one item) on the encoder at `address`, at the request's `priority` where the
-        encoder honors it; CACHED_ONLY when `cached()` says the encoder can load it from the store."""
+        """`job` (one item) on the encoder at `address` once it passed its first-contact check, at
+        the request's `priority` where the encoder honors it; CACHED_ONLY when `cached()` says the
+        encoder can load it from the store. One `epd.encode.item` span per try, check included."""
         item = job.items[0]
         with phase(
             "epd.encode.item",
@@ -74,6 +75,7 @@ class StageClients:
                 "epd.encoder": address,
             },
         ) as span:
+            await self.backends.checks.encoder(address, None)
             job.priority = self.backends.priority_for(address, priority)
             policy = encoder_pb2.CACHE_POLICY_CACHED_ONLY if await cached() else encoder_pb2.CACHE_POLICY_UNSPECIFIED
             job.cache_policy = policy
