@@ -18,7 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-from libs.cli.router_client import ADDRESS_FILE, UsageError, router_target, stream_to_stdout
+from libs.cli.router_client import ADDRESS_FILE, DEFAULT_RUN_DIR, UsageError, router_target, stream_to_stdout
 from libs.client.generate import build_request, media_from_file
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
 from libs.launch.config import DescriptionError, load_description, stack_spec
@@ -27,7 +27,6 @@ from libs.launch.stack import CLIENT_TOKEN, LAYOUTS, Stack, StackSpec
 from libs.launch.supervisor import Supervisor
 
 DEFAULT_MODEL = Path("var/models/qwen2_5_omni-tiny")
-DEFAULT_RUN_DIR = Path("var/run/stack")
 
 
 def ensure_model(path: Path) -> Path:

@@ -16,6 +16,7 @@ from libs.contract.epd.v1 import generate_pb2
 from libs.launch.stack import CLIENT_TOKEN, TLS_DIR
 
 ADDRESS_FILE = "router.address"  # in the run directory, while `epd up` runs
+DEFAULT_RUN_DIR = Path("var/run/stack")  # where `epd up` runs, and where its clients look
 
 
 class UsageError(Exception):

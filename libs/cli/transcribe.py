@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from libs.cli.router_client import ADDRESS_FILE, UsageError, router_target, stream_to_stdout
+from libs.cli.router_client import ADDRESS_FILE, DEFAULT_RUN_DIR, UsageError, router_target, stream_to_stdout
 from libs.client.generate import media_from_file
 from libs.client.transcribe import transcription_request
 from libs.contract.epd.v1 import media_pb2
@@ -31,8 +31,6 @@ def cmd_transcribe(ns: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from libs.cli.main import DEFAULT_RUN_DIR
-
     p = sub.add_parser("transcribe", help="transcribe an audio file through a running Whisper stack")
     p.add_argument("file", type=Path, help="audio file (WAV, FLAC, MP3, ...)")
     p.add_argument("--address", default="", help=f"router address (default: RUN_DIR/{ADDRESS_FILE})")

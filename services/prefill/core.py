@@ -16,7 +16,6 @@ from libs.runtime.prefill_runner import PrefillRunner
 from libs.serving import convert
 from libs.serving.compute_thread import ComputeThread
 from libs.serving.generation import fetch_and_prefill
-from libs.serving.raw_media import preprocess_raw_media, take_raw_media
 from libs.serving.transport import Transport
 from libs.telemetry.stages import stage
 
@@ -29,18 +28,14 @@ class PrefillCore:
         engine: ComputeThread,
         *,
         limits: Limits | None = None,
-        accept_raw_media: bool = False,
     ) -> None:
         self.runner = runner
         self.transport = transport
         self.engine = engine
         self.limits = limits or Limits()
-        self.accept_raw_media = accept_raw_media  # the P4 benchmark baseline (libs/serving/raw_media.py)
 
     async def prefill(self, request: prefill_pb2.PrefillRequest, deadline: float | None) -> prefill_pb2.PrefillResponse:
-        raw = take_raw_media(request.messages) if self.accept_raw_media else []
         validate_prefill_request(request, self.limits)
-        await preprocess_raw_media(self.engine, self.runner.runtime.adapter, raw)
         sampling = convert.sampling_to_engine(request.sampling)
         result = await fetch_and_prefill(self.engine, self.runner, self.transport, request.messages, sampling, deadline)
         response = prefill_pb2.PrefillResponse(

@@ -29,9 +29,6 @@ class PrefillSettings(ChunkedPrefillSettings, EngineSettings):
     """Prefill: metadata-only requests -> KV cache for decode + the first token."""
 
     pool_mib: int = setting(512, "registered tensor pool (embeddings read + KV published), in MiB")
-    accept_raw_media: bool = setting(
-        False, "benchmark baseline (P4) only: take raw media parts the router forwards and preprocess them"
-    )
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -82,7 +79,7 @@ async def setup(settings: PrefillSettings) -> ServiceParts:
     engine = ComputeThread("prefill")
     admission = Admission("prefill", settings.max_running, settings.max_waiting)
     runner = PrefillRunner(runtime, chunk_tokens=settings.prefill_chunk_tokens)
-    core = PrefillCore(runner, transport, engine, accept_raw_media=settings.accept_raw_media)
+    core = PrefillCore(runner, transport, engine)
     servicer = PrefillServicer(core, admission)
     info = service_info(
         service_info_pb2.SERVICE_ROLE_PREFILL,

@@ -26,8 +26,9 @@ from libs.rpc.drain import drainer
 from libs.rpc.identity import INSTANCE_ID, SOFTWARE_VERSION
 from libs.rpc.main import ServiceParts, client_facing, service_main
 from libs.rpc.peers import PeerChannels
+from services.router.backends import Backends, Stages
 from services.router.cache_lookup import CacheLookup
-from services.router.core import Backends, Router, Stages
+from services.router.core import Router
 from services.router.handshake import BackendChecks
 from services.router.membership import MembershipError, encoder_pool, member_pool
 from services.router.warmup import tiny_png
@@ -61,9 +62,6 @@ class RouterSettings(ClientAuthSettings, CommonSettings):
     # caches; `epd up`/`epd demo` and the benchmarks turn it on (EPD_WARM_UP=true).
     warm_up: bool = setting(
         False, "at start, send one tiny image request through every encoder and prefill/decode (first contact)"
-    )
-    forward_media: bool = setting(
-        False, "benchmark baseline (P4) only: also forward each item's raw media to prefill (--accept-raw-media)"
     )
     max_request_s: float = setting(
         600.0, "longest a request may take, in seconds: the deadline of calls that set none (or a longer one)"
@@ -109,6 +107,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
             backends = Backends(
                 encoder=encoder,
                 lease=lease,
+                checks=BackendChecks(peers, prefill=stages.prefill, decode=stages.decode),
                 prefill=lambda a: prefill_pb2_grpc.PrefillServiceStub(peers.channel(a)),
                 decode=lambda a: decode_pb2_grpc.DecodeServiceStub(peers.channel(a)),
             )
@@ -122,19 +121,11 @@ async def setup(settings: RouterSettings) -> ServiceParts:
             backends = Backends(
                 encoder=encoder,
                 lease=lease,
+                checks=BackendChecks(peers, prefill=stages.pd, decode=None),
                 prefill_decode=lambda a: prefill_decode_pb2_grpc.PrefillDecodeServiceStub(peers.channel(a)),
             )
     except MembershipError as exc:
         raise SystemExit(f"router: {exc}") from None
-    model_side = stages.prefill if stages.prefill is not None else stages.pd
-    assert model_side is not None
-    checks = BackendChecks(peers, prefill=model_side, decode=stages.decode)
-    backends.check_encoder = checks.encoder
-    backends.check_backends = checks.backend
-    backends.check_prefill = checks.prefill
-    backends.check_decode = checks.decode
-    backends.honors = checks.honors
-    backends.encoder_cache = checks.encoder_cache
     store = None
     if settings.cache_master:
         # Lookups only: a small staging buffer, and a short deadline (a slow store is a miss).
@@ -155,7 +146,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     memberships.append(membership)
     for each in memberships:
         each.start()
-    router = Router(backends, pool, cache=cache, forward_media=settings.forward_media, stages=stages)
+    router = Router(backends, pool, cache=cache, stages=stages)
     admission = Admission("router", settings.max_running, settings.max_waiting)
     info = service_info_pb2.ServiceInfo(
         contract_version=version.current(),

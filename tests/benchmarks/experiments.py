@@ -561,10 +561,11 @@ def plan_check(p7_result: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 
 def p4(model: Path, run_dir: Path, duration_s: float, clients: int) -> dict[str, Any]:
     print(f"P4 metadata-only vs raw media forwarded to prefill: {clients} clients, {duration_s:.0f} s per point")
-    forward = {"router": ["--forward-media"], "prefill": ["--accept-raw-media"]}
+    # The baseline's router and prefill run through the bench-only wrapper (libs/bench/raw_media.py).
+    forward = {side: ["libs.bench.raw_media", f"--{side}"] for side in ("router", "prefill")}
     stacks = [
         h.make_stack("p4-metadata", "e/p/d", model, run_dir, cpus="split"),
-        h.make_stack("p4-raw-media", "e/p/d", model, run_dir, cpus="split", extra_args=forward),
+        h.make_stack("p4-raw-media", "e/p/d", model, run_dir, cpus="split", run_through=forward),
     ]
     mixes = {"image": MixSpec(image=1, images=1, max_tokens=4), "audio": MixSpec(audio=1, max_tokens=4)}
     result: dict[str, Any] = {"points": []}

@@ -86,6 +86,7 @@ def make_stack(
     cpus: str = "shared",
     threads: int | None = None,
     extra_args: dict[str, list[str]] | None = None,
+    run_through: dict[str, list[str]] | None = None,
     env: dict[str, str] | None = None,
     engine: str = "reference",
 ) -> BenchStack:
@@ -112,6 +113,7 @@ def make_stack(
             **(env or {}),
         },
         extra_args=args,
+        run_through=run_through or {},
         engine=engine,
         ready_timeout_s=300.0 if engine == "reference" else 600.0,
     )

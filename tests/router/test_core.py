@@ -23,9 +23,12 @@ from libs.contract.epd.v1 import (
     prefill_decode_pb2,
 )
 from libs.contract.errors import FailedPrecondition, InvalidArgument, Unavailable
-from services.router.core import Backends, Router, RpcFailed
+from services.router.backends import Backends
+from services.router.core import Router
 from services.router.encoders import EncoderPool
+from services.router.policy import RpcFailed
 from services.router.pool import MemberPool
+from tests.support.router_checks import PassingChecks
 from tests.support.router_harness import Encoder, Harness, Leases, StreamCall, image_request, rpc_error
 
 pytestmark = pytest.mark.unit
@@ -69,6 +72,13 @@ def test_every_encoder_down_fails_unavailable_and_releases() -> None:
         asyncio.run(h.tokens(image_request(1)))
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE and caught.value.stage == "encode"
     assert h.prefill.requests == []
+
+
+def test_a_failing_item_is_retried_on_one_other_encoder_only() -> None:
+    h = Harness(n_encoders=3, fail={f"enc{i}": grpc.StatusCode.INTERNAL for i in range(3)})
+    with pytest.raises(RpcFailed) as caught:
+        asyncio.run(h.tokens(image_request(1)))
+    assert caught.value.code == grpc.StatusCode.INTERNAL and len(h.log) == 2  # a bad item visits two at most
 
 
 def test_bad_media_is_invalid_argument_and_other_leases_are_released() -> None:
@@ -237,7 +247,9 @@ def test_e_plus_pd_layout() -> None:
     log: list[tuple[str, int]] = []
     pd = PD()
     router = Router(
-        Backends(encoder=lambda a: Encoder(a, log), lease=Leases().stub, prefill_decode=lambda a: pd),
+        Backends(
+            encoder=lambda a: Encoder(a, log), lease=Leases().stub, checks=PassingChecks(), prefill_decode=lambda a: pd
+        ),
         EncoderPool(["e"]),
     )
 
@@ -278,7 +290,7 @@ def test_incompatible_encoder_is_skipped_at_first_contact() -> None:
         if address == "enc0":
             raise FailedPrecondition("peer enc0 serves other-model; this service serves tiny")
 
-    h.router._backends.check_encoder = check
+    h.checks.on_encoder = check
     assert asyncio.run(h.tokens(image_request(2))) == [7, 8, 9]
     assert {a for a, _ in h.log} == {"enc1"}  # enc0 never computed anything
     assert ("enc0", None) in checked
@@ -286,7 +298,7 @@ def test_incompatible_encoder_is_skipped_at_first_contact() -> None:
     async def refuse(address: str, instance_id: str | None) -> None:
         raise FailedPrecondition(f"peer {address} is incompatible")
 
-    h.router._backends.check_encoder = refuse
+    h.checks.on_encoder = refuse
     with pytest.raises(FailedPrecondition, match="incompatible"):
         asyncio.run(h.tokens(image_request(1)))
 
@@ -302,7 +314,7 @@ def test_encoder_gone_right_after_answering_is_an_encode_failure_retried_elsewhe
             gone.append(address)
             raise Unavailable(f"peer {address} unreachable: UNAVAILABLE connection refused")
 
-    h.router._backends.check_encoder = check
+    h.checks.on_encoder = check
     assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]
     (dead,) = gone
     (other,) = set(h.encoders) - {dead}
@@ -422,9 +434,9 @@ def test_other_unavailable_from_prefill_is_not_retried_as_a_drain() -> None:
 
 def test_priority_is_forwarded_only_to_peers_that_honor_it() -> None:
     h = Harness()
-    h.router._stages.prefill, h.router._stages.decode = MemberPool(["p:1"]), MemberPool(["d:1"])
+    h.stages.prefill, h.stages.decode = MemberPool(["p:1"]), MemberPool(["d:1"])
     honoring = {"enc1", "p:1"}  # enc0 and decode speak contract 1.0: no "admission.priority"
-    h.router._backends.honors = lambda address, capability: address in honoring
+    h.checks.honoring = lambda address, capability: address in honoring
     seen: list[tuple[str, int]] = []
     for encoder in h.encoders.values():
         original = encoder.Encode

@@ -16,10 +16,12 @@ import pytest
 from libs.contract.epd.v1 import decode_pb2, generation_pb2, prefill_decode_pb2, prefill_pb2
 from libs.contract.errors import FailedPrecondition, Unavailable
 from libs.rpc.retry import DRAINING
-from services.router.core import Backends, Router, Stages
+from services.router.backends import Backends, Stages
+from services.router.core import Router
 from services.router.encoders import EncoderPool
 from services.router.pool import MemberPool
 from tests.support import samples
+from tests.support.router_checks import PassingChecks
 from tests.support.router_harness import Encoder, Leases, StreamCall, image_request, rpc_error
 
 pytestmark = pytest.mark.unit
@@ -105,9 +107,11 @@ class Pools:
         self.log: list[tuple[str, int]] = []
         self.leases = Leases()
         self.checked: list[tuple[str, ...]] = []
+        self.checks = PassingChecks()
         self.backends = Backends(
             encoder=lambda a: Encoder(a, self.log),
             lease=self.leases.stub,
+            checks=self.checks,
             prefill=self.prefills.__getitem__,
             decode=self.decodes.__getitem__,
         )
@@ -197,7 +201,7 @@ def test_an_incompatible_member_is_skipped_and_the_decode_check_names_the_prefil
     async def check_decode(address: str, prefill: str) -> None:
         pools.checked.append(("decode", address, prefill))
 
-    pools.backends.check_prefill, pools.backends.check_decode = check_prefill, check_decode
+    pools.checks.on_prefill, pools.checks.on_decode = check_prefill, check_decode
     assert pools.run(4) == [[7, 8, 9]] * 4
     assert not pools.prefills["p0:1"].requests and len(pools.prefills["p1:1"].requests) == 4
     assert {c for c in pools.checked if c[0] == "decode"} == {("decode", "d0:1", "p1:1"), ("decode", "d1:1", "p1:1")}
@@ -225,7 +229,12 @@ def test_pd_pool_spreads_and_retries_a_refusal_before_the_first_token() -> None:
     members = {"pd0:1": PD("pd0:1"), "pd1:1": PD("pd1:1"), "pd2:1": PD("pd2:1", refuse=True)}
     log: list[tuple[str, int]] = []
     router = Router(
-        Backends(encoder=lambda a: Encoder(a, log), lease=Leases().stub, prefill_decode=members.__getitem__),
+        Backends(
+            encoder=lambda a: Encoder(a, log),
+            lease=Leases().stub,
+            checks=PassingChecks(),
+            prefill_decode=members.__getitem__,
+        ),
         EncoderPool(["e"]),
         stages=Stages(pd=MemberPool(list(members), stage="pd")),
     )

@@ -23,9 +23,11 @@ from libs.contract.epd.v1 import (
     prefill_pb2,
     service_info_pb2,
 )
-from services.router.core import Backends, Router
+from services.router.backends import Backends
+from services.router.core import Router
 from services.router.encoders import EncoderPool
 from tests.support import samples
+from tests.support.router_checks import PassingChecks
 from tests.support.router_harness import Leases, StreamCall
 
 pytestmark = pytest.mark.unit
@@ -94,17 +96,12 @@ class SpeechDecode:
 
 def _stack() -> tuple[Router, SpeechEncoder, SpeechPrefill, Leases]:
     encoder, prefill, leases = SpeechEncoder(), SpeechPrefill(), Leases()
-    info = service_info_pb2.ServiceInfo(transcription=SPEC)
-
-    async def backend() -> service_info_pb2.ServiceInfo:
-        return info
-
     backends = Backends(
         encoder=lambda address: encoder,
         lease=leases.stub,
+        checks=PassingChecks(service_info_pb2.ServiceInfo(transcription=SPEC)),
         prefill=lambda address: prefill,
         decode=lambda address: SpeechDecode(),
-        check_backends=backend,
     )
     return Router(backends, EncoderPool(["enc0"])), encoder, prefill, leases
 

@@ -1,6 +1,7 @@
 """The router core's backends as test doubles with the generated stubs' call shapes (encoders,
-lease release, prefill, decode) and a `Harness` that wires them to a real `Router`; sample
-requests with distinct images. Used by the router tests (tests/router)."""
+lease release, prefill, decode) and a `Harness` that wires them, with checks that pass every peer
+(tests/support/router_checks.py), to a real `Router`; sample requests with distinct images. Used by
+the router tests (tests/router)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from libs.contract.epd.v1 import (
     lease_pb2,
     prefill_pb2,
 )
-from services.router.core import Backends, Router
+from services.router.backends import Backends, Stages
+from services.router.core import Router
 from services.router.encoders import EncoderPool
 from tests.support import samples
+from tests.support.router_checks import PassingChecks
 
 
 def rpc_error(code: grpc.StatusCode, details: str = "boom") -> grpc.aio.AioRpcError:
@@ -153,16 +156,19 @@ class Harness:
         self.leases = Leases()
         self.prefill = Prefill(kw.get("prefill_fail_first"), kw.get("prefill_first_tokens", (7,)))
         self.decode = Decode(kw.get("decode_fail_before", False), kw.get("decode_fail_first", ()))
-        backends = Backends(
+        self.checks = PassingChecks()
+        if "encoder_cache" in kw:
+            self.checks.cache_of = kw["encoder_cache"]
+        self.backends = backends = Backends(
             encoder=self.encoders.__getitem__,
             lease=self.leases.stub,
+            checks=self.checks,
             prefill=lambda address: self.prefill,
             decode=lambda address: self.decode,
         )
-        if "encoder_cache" in kw:
-            backends.encoder_cache = kw["encoder_cache"]
         self.pool = EncoderPool(list(self.encoders), slack=kw.get("slack", 0))
-        self.router = Router(backends, self.pool, cache=kw.get("cache"))
+        self.stages = Stages.single(backends)
+        self.router = Router(backends, self.pool, cache=kw.get("cache"), stages=self.stages)
 
     async def tokens(self, request: generate_pb2.GenerateRequest) -> list[int]:
         out: list[int] = []

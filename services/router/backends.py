@@ -1,0 +1,83 @@
+"""How the router reaches its stages: stubs per address (`Backends`), the first-contact checks
+every member passes before its first call (`Checks`; services/router/handshake.py's
+`BackendChecks` in the service, a double that passes everyone in tests), and the members of the
+prefill, decode and PD stages (`Stages`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from libs.contract.epd.v1 import service_info_pb2
+from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
+from services.router.pool import MemberPool
+
+
+class Checks(Protocol):
+    """First-contact checks of the router's peers; each raises FailedPrecondition for a peer that
+    cannot serve this stack and Unavailable for one that cannot be reached."""
+
+    async def backend(self) -> service_info_pb2.ServiceInfo:
+        """The prefill/decode (or PD) side as a whole: its checked info (a prefill's or PD's)."""
+        ...
+
+    async def encoder(self, address: str, instance_id: str | None = None) -> None:
+        """An encoder (re-checked when a handle names a new incarnation `instance_id`)."""
+        ...
+
+    async def prefill(self, address: str) -> None:
+        """One prefill (or PD) member."""
+        ...
+
+    async def decode(self, address: str, prefill_address: str) -> None:
+        """One decode member, for the KV of the prefill at `prefill_address`."""
+        ...
+
+    def honors(self, address: str, capability: str) -> bool:
+        """Whether the (checked) peer advertises a capability (features are negotiated this way)."""
+        ...
+
+    def encoder_cache(self, address: str) -> service_info_pb2.EncoderCacheInfo | None:
+        """The (checked) encoder's cache, as advertised in its ServiceInfo; None when it keeps none."""
+        ...
+
+
+@dataclass
+class Backends:
+    """How the router reaches each stage: address -> stub, for any member of that stage's pool.
+    `lease(address)` reaches any producer's LeaseService."""
+
+    encoder: Callable[[str], Any]  # address -> EncoderServiceStub
+    lease: Callable[[str], Any]  # address -> LeaseServiceStub
+    checks: Checks
+    prefill: Callable[[str], Any] | None = None  # address -> PrefillServiceStub (E/P/D)
+    decode: Callable[[str], Any] | None = None  # address -> DecodeServiceStub (E/P/D)
+    prefill_decode: Callable[[str], Any] | None = None  # address -> PrefillDecodeServiceStub (E+PD)
+
+    def __post_init__(self) -> None:
+        if self.prefill_decode is None and (self.prefill is None or self.decode is None):
+            raise ValueError("need prefill and decode stubs (E/P/D) or a prefill-decode stub (E+PD)")
+
+    def priority_for(self, address: str, priority: int) -> int:
+        """The request's priority for a peer that honors it (contract 1.1), else the default."""
+        return priority if self.checks.honors(address, ADMISSION_PRIORITY) else 0
+
+
+@dataclass
+class Stages:
+    """The members of the prefill, decode and PD stages (services/router/pool.py); a stage whose
+    stub is not in `Backends` has none. Read at each call: members may be replaced while running."""
+
+    prefill: MemberPool | None = None
+    decode: MemberPool | None = None
+    pd: MemberPool | None = None
+
+    @classmethod
+    def single(cls, backends: Backends) -> Stages:
+        """One member per stage the backends reach, named after the stage (tests)."""
+
+        def one(stage: str, stub: object) -> MemberPool | None:
+            return None if stub is None else MemberPool([stage], stage=stage)
+
+        return cls(one("prefill", backends.prefill), one("decode", backends.decode), one("pd", backends.prefill_decode))

@@ -1,0 +1,242 @@
+"""The router's stage clients: one `Encode` on a chosen encoder, and a metadata-only request through
+`Prefill` then `Decode` (E/P/D) or `PrefillDecode` (E+PD), each over its stage's members through
+`Failover` (services/router/failover.py).
+
+- `encode_on`: the job on one encoder, CACHED_ONLY when the item is in the store the encoder
+  loads from.
+- `prefill_and_decode`: the request's messages (media parts already replaced by their `encoded`
+  parts) go to prefill; its KV cache goes to any decode. The request's `RequestState` holds the
+  embeddings until prefill (or PD) acks them, and the KV until decode acks it. A prefill, decode or
+  PD member that refuses before its first token is replaced as the policy says; a consumer gone
+  mid-stream cancels the member's call (it would generate on to max_tokens). A failure leaves as
+  `RpcFailed` naming the stage; a decode that streamed nothing says so (`kv_unread`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from libs.contract.epd.v1 import (
+    chat_pb2,
+    decode_pb2,
+    encoder_pb2,
+    generate_pb2,
+    generation_pb2,
+    media_pb2,
+    prefill_decode_pb2,
+    prefill_pb2,
+    tensor_pb2,
+)
+from libs.telemetry.stages import ATTRIBUTION, calls_under, phase, start_phase
+from services.router.backends import Backends, Stages
+from services.router.failover import Check, Failover, remaining
+from services.router.leases import RequestState
+from services.router.policy import MEMBER_RETRIES, RpcFailed, Stage
+from services.router.pool import MemberPool
+
+_log = structlog.get_logger(__name__)
+Reply = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
+
+
+def _usage(reply: Any) -> generation_pb2.Usage | None:
+    return reply.usage if reply.HasField("usage") else None
+
+
+class StageClients:
+    """Calls to the encoders and to the prefill/decode (or PD) members."""
+
+    def __init__(self, backends: Backends, stages: Stages) -> None:
+        self.backends = backends
+        self.stages = stages
+
+    async def encode_on(
+        self,
+        address: str,
+        job: encoder_pb2.EncodeRequest,
+        priority: int,
+        cached: Callable[[], Awaitable[bool]],
+        deadline: float | None,
+    ) -> encoder_pb2.EncodeResponse:
+        """`job` (one item) on the encoder at `address` once it passed its first-contact check, at
+        the request's `priority` where the encoder honors it; CACHED_ONLY when `cached()` says the
+        encoder can load it from the store. One `epd.encode.item` span per try, check included."""
+        item = job.items[0]
+        with phase(
+            "epd.encode.item",
+            **{
+                ATTRIBUTION: "rpc",
+                "epd.item_index": item.item_index,
+                "epd.modality": media_pb2.Modality.Name(item.media.modality),
+                "epd.encoder": address,
+            },
+        ) as span:
+            await self.backends.checks.encoder(address, None)
+            job.priority = self.backends.priority_for(address, priority)
+            policy = encoder_pb2.CACHE_POLICY_CACHED_ONLY if await cached() else encoder_pb2.CACHE_POLICY_UNSPECIFIED
+            job.cache_policy = policy
+            span.set_attribute("epd.cache.policy", encoder_pb2.CachePolicy.Name(job.cache_policy))
+            reply: encoder_pb2.EncodeResponse = await self.backends.encoder(address).Encode(
+                job, timeout=remaining(deadline)
+            )
+            return reply
+
+    def prefill_and_decode(
+        self,
+        messages: list[chat_pb2.ChatMessage],
+        request: generate_pb2.GenerateRequest,
+        state: RequestState,
+        deadline: float | None,
+    ) -> AsyncGenerator[Reply, None]:
+        """The reply to a request whose media parts are all encoded (`messages`), with the usage
+        on the last chunk; `request` gives the sampling and the priority."""
+        if self.backends.prefill_decode is not None:
+            return self._prefill_decode(messages, request, state, deadline)
+        return self._split(messages, request, state, deadline)
+
+    def _failover(self, pool: MemberPool | None, stage: Stage, deadline: float | None, check: Check) -> Failover:
+        assert pool is not None, f"no {stage} pool for the backends' layout"
+        return Failover(pool, stage, MEMBER_RETRIES, deadline, check)
+
+    async def _prefill_decode(
+        self,
+        messages: list[chat_pb2.ChatMessage],
+        request: generate_pb2.GenerateRequest,
+        state: RequestState,
+        deadline: float | None,
+    ) -> AsyncGenerator[Reply, None]:
+        b = self.backends
+        assert b.prefill_decode is not None
+        stub = b.prefill_decode
+        pd_request = prefill_decode_pb2.PrefillDecodeRequest(
+            request_id=state.request_id, messages=messages, sampling=request.sampling
+        )
+        members = self._failover(self.stages.pd, "pd", deadline, b.checks.prefill)
+        span = start_phase("epd.prefill_decode", **{ATTRIBUTION: "rpc"})
+
+        async def on(address: str) -> AsyncGenerator[prefill_decode_pb2.PrefillDecodeResponse, None]:
+            pd_request.priority = b.priority_for(address, request.priority)
+            with calls_under(span):
+                call = stub(address).PrefillDecode(
+                    pd_request, timeout=remaining(deadline), wait_for_ready=members.wait_for_ready
+                )
+            try:
+                async for reply in call:
+                    yield reply
+            finally:
+                call.cancel()  # a consumer gone mid-stream must stop PD (a no-op once it ended)
+
+        try:
+            async with contextlib.aclosing(members.stream(on)) as replies:
+                async for reply in replies:
+                    state.acked()  # PD read and acked the embeddings once it streams
+                    state.streamed = True
+                    yield reply.chunk, _usage(reply)
+        except grpc.aio.AioRpcError as exc:
+            raise RpcFailed.of("prefill" if not state.streamed else "decode", exc) from None
+        finally:
+            span.end()
+
+    async def _split(
+        self,
+        messages: list[chat_pb2.ChatMessage],
+        request: generate_pb2.GenerateRequest,
+        state: RequestState,
+        deadline: float | None,
+    ) -> AsyncGenerator[Reply, None]:
+        first, prefill_address = await self._prefill(messages, request, state, deadline)
+        state.acked()  # prefill acked every embedding it read
+        if not first.HasField("kv_cache"):  # finished at the first token
+            usage = generation_pb2.Usage(prompt_tokens=first.decode_state.prompt_tokens, completion_tokens=1)
+            yield first.first_chunk, usage
+            return
+        state.hold_kv(first.kv_cache)
+        yield first.first_chunk, None
+        async with contextlib.aclosing(self._decode(first, prefill_address, request, state, deadline)) as replies:
+            async for reply in replies:
+                yield reply
+
+    async def _prefill(
+        self,
+        messages: list[chat_pb2.ChatMessage],
+        request: generate_pb2.GenerateRequest,
+        state: RequestState,
+        deadline: float | None,
+    ) -> tuple[prefill_pb2.PrefillResponse, str]:
+        b = self.backends
+        assert b.prefill is not None
+        stub = b.prefill
+        prefill_request = prefill_pb2.PrefillRequest(
+            request_id=state.request_id,
+            messages=messages,
+            sampling=request.sampling,
+            accepted_kv_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+        )
+        members = self._failover(self.stages.prefill, "prefill", deadline, b.checks.prefill)
+        try:
+            with phase("epd.prefill", **{ATTRIBUTION: "rpc"}) as span:
+
+                async def on(address: str) -> tuple[prefill_pb2.PrefillResponse, str]:
+                    span.set_attribute("epd.prefill", address)
+                    prefill_request.priority = b.priority_for(address, request.priority)
+                    response = await stub(address).Prefill(
+                        prefill_request, timeout=remaining(deadline), wait_for_ready=members.wait_for_ready
+                    )
+                    return response, address
+
+                return await members.unary(on)
+        except grpc.aio.AioRpcError as exc:
+            raise RpcFailed.of("prefill", exc) from None
+
+    async def _decode(
+        self,
+        first: prefill_pb2.PrefillResponse,
+        prefill_address: str,
+        request: generate_pb2.GenerateRequest,
+        state: RequestState,
+        deadline: float | None,
+    ) -> AsyncGenerator[Reply, None]:
+        b = self.backends
+        assert b.decode is not None
+        stub = b.decode
+        decode_request = decode_pb2.DecodeRequest(
+            request_id=state.request_id,
+            kv_cache=first.kv_cache,
+            decode_state=first.decode_state,
+            sampling=request.sampling,
+        )
+
+        async def check(address: str) -> None:
+            await b.checks.decode(address, prefill_address)  # it must read this prefill's KV
+
+        members = self._failover(self.stages.decode, "decode", deadline, check)
+        span = start_phase("epd.decode", **{ATTRIBUTION: "rpc"})
+
+        async def on(address: str) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
+            span.set_attribute("epd.decode", address)
+            decode_request.priority = b.priority_for(address, request.priority)
+            with calls_under(span):
+                call = stub(address).Decode(
+                    decode_request, timeout=remaining(deadline), wait_for_ready=members.wait_for_ready
+                )
+            try:
+                async for reply in call:
+                    yield reply
+            finally:
+                call.cancel()  # as for PD: a consumer gone mid-stream must stop decode
+
+        streamed = 0
+        try:
+            async with contextlib.aclosing(members.stream(on)) as replies:
+                async for reply in replies:
+                    streamed += 1
+                    state.acked()  # decode acked the KV before streaming
+                    yield reply.chunk, _usage(reply)
+        except grpc.aio.AioRpcError as exc:
+            raise RpcFailed.of("decode", exc, kv_unread=not streamed) from None
+        finally:
+            span.end()
