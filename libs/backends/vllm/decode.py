@@ -16,10 +16,11 @@ blocks freed) ends in NOT_FOUND; an engine death in UNAVAILABLE (the supervisor 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -192,15 +193,16 @@ class VllmDecode(DecodeBackend):
         self, request: decode_pb2.DecodeRequest, deadline: float | None
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         with self.in_flight.track(request.request_id):
-            async for chunk, usage in self._decode(request, deadline):
-                response = decode_pb2.DecodeResponse(chunk=chunk)
-                if usage is not None:
-                    response.usage.CopyFrom(usage)
-                yield response
+            async with contextlib.aclosing(self._decode(request, deadline)) as stream:
+                async for chunk, usage in stream:
+                    response = decode_pb2.DecodeResponse(chunk=chunk)
+                    if usage is not None:
+                        response.usage.CopyFrom(usage)
+                    yield response
 
     async def _decode(
         self, request: decode_pb2.DecodeRequest, deadline: float | None
-    ) -> AsyncIterator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]]:
+    ) -> AsyncGenerator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None], None]:
         prompt = await asyncio.to_thread(self._check, request)
         await self._producers.check(request.kv_cache.paged.producer_address)
         sampling = convert.sampling_to_engine(request.sampling)

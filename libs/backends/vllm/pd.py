@@ -11,10 +11,11 @@ requests with UNAVAILABLE and is restarted (`supervisor.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -81,15 +82,16 @@ class VllmPrefillDecode(PrefillDecodeBackend):
         self, request: prefill_decode_pb2.PrefillDecodeRequest, deadline: float | None
     ) -> AsyncIterator[prefill_decode_pb2.PrefillDecodeResponse]:
         with self.in_flight.track(request.request_id):
-            async for chunk, usage in self._generate(request, deadline):
-                response = prefill_decode_pb2.PrefillDecodeResponse(chunk=chunk)
-                if usage is not None:
-                    response.usage.CopyFrom(usage)
-                yield response
+            async with contextlib.aclosing(self._generate(request, deadline)) as stream:
+                async for chunk, usage in stream:
+                    response = prefill_decode_pb2.PrefillDecodeResponse(chunk=chunk)
+                    if usage is not None:
+                        response.usage.CopyFrom(usage)
+                    yield response
 
     async def _generate(
         self, request: prefill_decode_pb2.PrefillDecodeRequest, deadline: float | None
-    ) -> AsyncIterator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]]:
+    ) -> AsyncGenerator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None], None]:
         request_id, priority = request.request_id, request.priority
         sampling = convert.sampling_to_engine(request.sampling)
         planned = await asyncio.to_thread(
