@@ -19,7 +19,7 @@ class ColocatedCore:
         self.limits = limits or Limits()
 
     async def generate(
-        self, request: generate_pb2.GenerateRequest, deadline: float | None = None
+        self, request: generate_pb2.GenerateRequest, deadline: float | None
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         validate_generate_request(request, self.limits)
         request.request_id = request.request_id or uuid.uuid4().hex

@@ -14,8 +14,6 @@ class EncoderCore:
         self.backend = backend
         self.limits = limits or Limits()
 
-    async def encode(
-        self, request: encoder_pb2.EncodeRequest, deadline: float | None = None
-    ) -> encoder_pb2.EncodeResponse:
+    async def encode(self, request: encoder_pb2.EncodeRequest, deadline: float | None) -> encoder_pb2.EncodeResponse:
         validate_encode_request(request, self.limits)
         return await self.backend.encode(request, deadline)

@@ -34,8 +34,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: Any) -> encoder_pb2.EncodeResponse:
         cached_only = request.cache_policy == encoder_pb2.CACHE_POLICY_CACHED_ONLY
-        async with admitted(self._cached if cached_only else self._compute, request, context):
-            return await self._core.encode(request)
+        async with admitted(self._cached if cached_only else self._compute, request, context) as deadline:
+            return await self._core.encode(request, deadline)
 
 
 async def setup(settings: EncoderSettings) -> ServiceParts:
