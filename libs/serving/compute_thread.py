@@ -143,9 +143,9 @@ class StepStats:
 class DecodeLoop:
     """Batched decoding for many concurrent streams (use from one event loop)."""
 
-    def __init__(self, runner: DecodeRunner, engine: ComputeThread) -> None:
+    def __init__(self, runner: DecodeRunner, thread: ComputeThread) -> None:
         self.runner = runner
-        self._engine = engine
+        self._compute = thread
         self._queues: dict[str, asyncio.Queue[TokenChunk | BaseException]] = {}
         self._stats: dict[str, StepStats] = {}
         self._wake = asyncio.Event()
@@ -170,7 +170,7 @@ class DecodeLoop:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="decode-loop")
         queue: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
-        await self._engine.run(self.runner.add, request_id, kv, state, sampling)  # raises typed engine errors
+        await self._compute.run(self.runner.add, request_id, kv, state, sampling)  # raises typed engine errors
         self._queues[request_id] = queue
         if stats is not None:
             self._stats[request_id] = stats
@@ -189,7 +189,7 @@ class DecodeLoop:
             self._queues.pop(request_id, None)
             self._stats.pop(request_id, None)
             if not finished:
-                await asyncio.shield(self._engine.run(self.runner.cancel, request_id))
+                await asyncio.shield(self._compute.run(self.runner.cancel, request_id))
 
     async def _loop(self) -> None:
         while True:
@@ -197,13 +197,13 @@ class DecodeLoop:
             self._wake.clear()
             while self.runner.active_ids:
                 try:
-                    results, seconds = await self._engine.run(self._timed_step)
+                    results, seconds = await self._compute.run(self._timed_step)
                 except Exception as exc:  # a bug in a step fails the streams of this batch, not the service
                     _log.exception("decode step failed")
                     for request_id in self.runner.active_ids:
                         if request_id in self._queues:
                             self._queues[request_id].put_nowait(exc)
-                        await self._engine.run(self.runner.cancel, request_id)
+                        await self._compute.run(self.runner.cancel, request_id)
                     break
                 for request_id, (chunk, _) in results.items():
                     stats = self._stats.get(request_id)

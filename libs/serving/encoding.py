@@ -12,14 +12,14 @@ from libs.telemetry.stages import record_stage
 
 
 async def encode_items(
-    engine: ComputeThread, runner: EncoderRunner, media: list[eng.MediaInput], field_prefix: str = ""
+    thread: ComputeThread, runner: EncoderRunner, media: list[eng.MediaInput], field_prefix: str = ""
 ) -> list[eng.EncodedItem]:
-    """Encode on the engine thread; engine errors become contract errors. The wait for the engine
+    """Encode on the compute thread; engine errors become contract errors. The wait for the engine
     thread (behind other encodes) is a queue stage of its own, apart from the service's bookkeeping."""
     timings: dict[str, int] = {}
     queued_ns = time.time_ns()
     with engine_errors(field_prefix):
-        encoded = await engine.run(runner.encode, media, timings)
+        encoded = await thread.run(runner.encode, media, timings)
     record_stage("encoder.engine_wait", "queue", queued_ns, timings["start"])
     record_stage("encoder.preprocess", "preprocess", timings["start"], timings["preprocessed"], items=len(media))
     record_stage("encoder.compute", "encode", timings["preprocessed"], timings["end"], items=len(media))

@@ -23,16 +23,16 @@ Streamed = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
 
 
 async def run_prefill(
-    engine: ComputeThread,
+    thread: ComputeThread,
     runner: PrefillRunner,
     messages: Sequence[chat_pb2.ChatMessage],
     sampling: eng.SamplingParams,
     fetched: FetchedItems,
 ) -> eng.PrefillResult:
-    """Prefill on the engine thread; the fetched embedding slots go back once the engine is done
+    """Prefill on the compute thread; the fetched embedding slots go back once the engine is done
     with them - even when the caller is cancelled mid-prefill."""
     with stage("prefill.compute", "prefill") as span:
-        task = asyncio.ensure_future(_chunked(engine, runner, messages_to_engine(messages, fetched.items), sampling))
+        task = asyncio.ensure_future(_chunked(thread, runner, messages_to_engine(messages, fetched.items), sampling))
         try:
             with engine_errors():
                 result = await asyncio.shield(task)
@@ -46,7 +46,7 @@ async def run_prefill(
 
 
 async def _chunked(
-    engine: ComputeThread, runner: PrefillRunner, messages: list[eng.ChatMessage], sampling: eng.SamplingParams
+    thread: ComputeThread, runner: PrefillRunner, messages: list[eng.ChatMessage], sampling: eng.SamplingParams
 ) -> eng.PrefillResult:
     """Prefill in chunks of `runner.chunk_tokens`, each queued by its remaining prompt tokens: between
     two chunks of a long (multimodal) prompt the engine thread runs decode steps and shorter
@@ -61,11 +61,11 @@ async def _chunked(
         finally:
             busy[0] += time.perf_counter() - started
 
-    task: PrefillTask = await engine.run(timed, runner.start, messages, sampling)
+    task: PrefillTask = await thread.run(timed, runner.start, messages, sampling)
     chunks = 1
-    while not await engine.run_at(task.remaining, timed, task.step, runner.chunk_tokens):
+    while not await thread.run_at(task.remaining, timed, task.step, runner.chunk_tokens):
         chunks += 1
-    result: eng.PrefillResult = await engine.run(timed, task.finish)
+    result: eng.PrefillResult = await thread.run(timed, task.finish)
     trace.get_current_span().set_attributes(
         {"epd.engine.busy_s": busy[0], "epd.prefill.chunks": chunks, "epd.prefill.chunk_tokens": runner.chunk_tokens}
     )
@@ -73,7 +73,7 @@ async def _chunked(
 
 
 async def fetch_and_prefill(
-    engine: ComputeThread,
+    thread: ComputeThread,
     runner: PrefillRunner,
     transport: Transport,
     messages: Sequence[chat_pb2.ChatMessage],
@@ -83,7 +83,7 @@ async def fetch_and_prefill(
     """Read a metadata-only request's embeddings from the encoders, then prefill."""
     specs = {spec.modality: spec for spec in runner.runtime.expected_specs()}
     fetched = await fetch_encoded(transport, messages, specs, deadline)
-    return await run_prefill(engine, runner, messages, sampling, fetched)
+    return await run_prefill(thread, runner, messages, sampling, fetched)
 
 
 async def stream_after_prefill(

@@ -1,83 +1,27 @@
-"""Colocated core: one process runs encode, prefill and decode on one engine thread. It is the
-baseline every disaggregated layout must match token for token, and serves `Generate` itself."""
+"""Colocated core: a client's `GenerateRequest`, validated and named (a request without an id gets
+one), handed to the service's backend (`ColocatedBackend`: encode, prefill and decode in this one
+process, libs/backends/reference/colocated.py). It is the baseline every disaggregated layout must
+match token for token, and serves `Generate` itself."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
+from libs.backends.api import ColocatedBackend
 from libs.contract.epd.v1 import generate_pb2
-from libs.contract.errors import InvalidArgument
 from libs.contract.validation import Limits, validate_generate_request
-from libs.runtime.decode_runner import DecodeRunner
-from libs.runtime.encoder_runner import EncoderRunner
-from libs.runtime.lm_runtime import LanguageModelRuntime
-from libs.runtime.prefill_runner import CHUNK_TOKENS, PrefillRunner
-from libs.runtime.types import EncodedItem, MediaInput
-from libs.serving import convert
-from libs.serving.compute_thread import ComputeThread, DecodeLoop
-from libs.serving.embeddings import FetchedItems
-from libs.serving.encoding import encode_items
-from libs.serving.generation import run_prefill, stream_after_prefill
-from libs.serving.media_source import media_bytes
 
 
 class ColocatedCore:
-    """Serves `GenerateRequest`s from one checkpoint, no sockets involved."""
-
-    def __init__(
-        self,
-        model: Path,
-        *,
-        max_batch: int = 8,
-        limits: Limits | None = None,
-        file_root: Path | None = None,
-        chunk_tokens: int = CHUNK_TOKENS,
-    ) -> None:
+    def __init__(self, backend: ColocatedBackend, *, limits: Limits | None = None) -> None:
+        self.backend = backend
         self.limits = limits or Limits()
-        self.file_root = file_root
-        self.encoder = EncoderRunner(model)
-        self.runtime = LanguageModelRuntime(model)
-        self.prefill = PrefillRunner(self.runtime, chunk_tokens=chunk_tokens)
-        self.engine = ComputeThread("colocated")
-        self.decode = DecodeLoop(DecodeRunner(self.runtime, max_batch=max_batch), self.engine)
 
-    async def generate(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async def generate(
+        self, request: generate_pb2.GenerateRequest, deadline: float | None
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         validate_generate_request(request, self.limits)
-        request_id = request.request_id or uuid.uuid4().hex
-        media = []
-        for index, part in enumerate(convert.media_parts(request.messages)):
-            data = media_bytes(
-                part.media,
-                f"media item {index}",
-                max_bytes=self.limits.max_inline_media_bytes,
-                file_root=self.file_root,
-            )
-            media.append(convert.media_input(part.media, index, data))
-        items = await self._encode(media) if media else []
-        sampling = convert.sampling_to_engine(request.sampling)
-        result = await run_prefill(self.engine, self.prefill, request.messages, sampling, FetchedItems(items))
-        async for chunk, usage in stream_after_prefill(self.decode, request_id, result, sampling):
-            response = generate_pb2.GenerateResponse(request_id=request_id, chunk=chunk)
-            if usage is not None:
-                response.usage.CopyFrom(usage)
+        request.request_id = request.request_id or uuid.uuid4().hex
+        async for response in self.backend.generate(request, deadline):
             yield response
-
-    async def _encode(self, media: list[MediaInput]) -> list[EncodedItem]:
-        """All items in one engine call; bad media are named `media item <i>`, as the router names
-        them (its encoders see one item per job), so a client gets the same error in every layout."""
-        try:
-            return await encode_items(self.engine, self.encoder, media)
-        except InvalidArgument as exc:
-            culprit = 0
-            if len(media) > 1:  # the engine call does not say which item failed: find it (error path only)
-                for index, item in enumerate(media):
-                    try:
-                        await encode_items(self.engine, self.encoder, [item])
-                    except InvalidArgument:
-                        culprit = index
-                        break
-                else:
-                    raise
-            raise InvalidArgument(f"media item {culprit}", str(exc)) from exc

@@ -9,7 +9,7 @@ seen what it waits for, on a fast host as on a slow one:
   file GATE exists. Prefill's first token has been streamed (colocated, PD); the request holds its
   admission slot meanwhile, so it is in flight, however fast the host, until the test creates GATE.
 - `--encodes PREFIX GATE`: an encode job whose request id starts with PREFIX takes the encoder's
-  engine thread and keeps it (a blocking wait, as a long tower run would) until GATE exists, then
+  compute thread and keeps it (a blocking wait, as a long tower run would) until GATE exists, then
   computes as usual.
 - `--stop GATE`: after the service's drain, its event loop blocks (creating `GATE.held` first)
   until GATE exists. Calls that arrive meanwhile are accepted by grpc core (its I/O runs outside the
@@ -61,24 +61,25 @@ def hold_streams(prefix: str, gate: Path) -> None:
 
 
 def hold_encodes(prefix: str, gate: Path) -> None:
-    """Patch the encoder's compute: jobs whose request id starts with `prefix` hold the engine
+    """Patch the encoder's compute: jobs whose request id starts with `prefix` hold the compute
     thread until `gate` exists."""
+    import libs.backends.reference.encoder as backend
     import services.encoder.core as core
 
     job: contextvars.ContextVar[str] = contextvars.ContextVar("gated_job", default="")
-    encode, encode_items = core.EncoderCore.encode, core.encode_items  # type: ignore[attr-defined]
+    encode, encode_items = core.EncoderCore.encode, backend.encode_items
 
-    async def encode_job(self: Any, request: Any) -> Any:
+    async def encode_job(self: Any, request: Any, *args: Any) -> Any:
         job.set(request.request_id)  # this task's context: the compute below runs in it
-        return await encode(self, request)
+        return await encode(self, request, *args)
 
-    async def held_items(engine: Any, runner: Any, media: Any, *args: Any, **kwargs: Any) -> Any:
+    async def held_items(thread: Any, runner: Any, media: Any, *args: Any, **kwargs: Any) -> Any:
         if job.get().startswith(prefix):
-            await engine.run(_wait_blocking, gate)
-        return await encode_items(engine, runner, media, *args, **kwargs)
+            await thread.run(_wait_blocking, gate)
+        return await encode_items(thread, runner, media, *args, **kwargs)
 
     core.EncoderCore.encode = encode_job  # type: ignore[method-assign]
-    core.encode_items = held_items  # type: ignore[attr-defined]
+    backend.encode_items = held_items  # type: ignore[assignment]
 
 
 def hold_stop(gate: Path) -> None:

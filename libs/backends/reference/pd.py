@@ -1,54 +1,93 @@
-"""Prefill + decode on the reference runtime: embeddings read over the service's own transport,
-prefill on the engine thread, then the shared batched decode loop."""
+"""Prefill + decode on the reference runtime (the PD role of the E+PD layout): embeddings read over
+the service's own transport, prefill on the compute thread, then the shared batched decode loop;
+no KV transfer."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
-from libs.backends.api import Streamed
-from libs.contract.epd.v1 import chat_pb2
+import torch
+
+from libs.backends.api import PrefillDecodeBackend
+from libs.backends.identity import capability
+from libs.backends.in_flight import InFlight
+from libs.backends.settings import ChunkedEngineSettings
+from libs.contract.epd.v1 import prefill_decode_pb2
 from libs.runtime import types as eng
 from libs.runtime.decode_runner import DecodeRunner
 from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.runtime.prefill_runner import CHUNK_TOKENS, PrefillRunner
+from libs.serving import convert
 from libs.serving.compute_thread import ComputeThread, DecodeLoop
 from libs.serving.generation import fetch_and_prefill, stream_after_prefill
-from libs.serving.transport import Transport
+from libs.serving.identity import model_identity
+from libs.serving.transport import Transport, transfer_config
 
 
-class ReferencePrefillDecode:
-    """`PrefillDecodeEngine` on libs/runtime."""
+class ReferencePrefillDecode(PrefillDecodeBackend):
+    """`PrefillDecodeBackend` on libs/runtime."""
 
     name = "reference"
+    transport: Transport  # the service's: this backend moves every tensor with it
 
     def __init__(
-        self, runtime: LanguageModelRuntime, transport: Transport, *, max_batch: int, chunk_tokens: int = CHUNK_TOKENS
+        self,
+        runtime: LanguageModelRuntime,
+        transport: Transport,
+        *,
+        max_batch: int,
+        max_running: int,
+        chunk_tokens: int = CHUNK_TOKENS,
     ) -> None:
         self.runtime = runtime
         self.weights_digest = self.runtime.weights_digest
+        self.transport = transport
+        # It runs at most its batch: the rest wait in admission (priority orders them there).
+        self.max_running = min(max_running, max_batch)
+        self.in_flight = InFlight()
         self.thread = ComputeThread("pd")
         self.runner = PrefillRunner(self.runtime, chunk_tokens=chunk_tokens)
         self.loop = DecodeLoop(DecodeRunner(self.runtime, max_batch=max_batch), self.thread)
-        self._transport = transport
 
-    def expected_specs(self) -> list[eng.EmbeddingSpec]:
+    def embedding_specs(self) -> list[eng.EmbeddingSpec]:
         return self.runtime.expected_specs()
+
+    def capabilities(self) -> tuple[str, ...]:
+        return (capability(self.name),)
 
     @property
     def active(self) -> int:
         return self.loop.active
 
     async def generate(
-        self,
-        request_id: str,
-        messages: Sequence[chat_pb2.ChatMessage],
-        sampling: eng.SamplingParams,
-        deadline: float | None,
-        priority: int = 0,  # ordered by the service's admission: this engine runs what it admitted
-    ) -> AsyncIterator[Streamed]:
-        result = await fetch_and_prefill(self.thread, self.runner, self._transport, messages, sampling, deadline)
-        async for item in stream_after_prefill(self.loop, request_id, result, sampling):
-            yield item
+        self, request: prefill_decode_pb2.PrefillDecodeRequest, deadline: float | None
+    ) -> AsyncIterator[prefill_decode_pb2.PrefillDecodeResponse]:
+        with self.in_flight.track(request.request_id):
+            sampling = convert.sampling_to_engine(request.sampling)
+            result = await fetch_and_prefill(
+                self.thread, self.runner, self.transport, request.messages, sampling, deadline
+            )
+            async for chunk, usage in stream_after_prefill(self.loop, request.request_id, result, sampling):
+                response = prefill_decode_pb2.PrefillDecodeResponse(chunk=chunk)
+                if usage is not None:
+                    response.usage.CopyFrom(usage)
+                yield response
 
     async def close(self) -> None:
         self.thread.shutdown()
+        self.transport.close()
+
+
+async def start(settings: ChunkedEngineSettings) -> ReferencePrefillDecode:
+    """Load the model; the transport only consumes (the encoders' embeddings)."""
+    torch.set_num_threads(settings.torch_threads)
+    runtime = LanguageModelRuntime(settings.model)
+    identity = model_identity(settings, runtime.weights_digest)
+    transport = Transport(transfer_config(settings, "pd"), identity, produce=False, consume=True)
+    return ReferencePrefillDecode(
+        runtime,
+        transport,
+        max_batch=settings.max_batch,
+        max_running=settings.max_running,
+        chunk_tokens=settings.prefill_chunk_tokens,
+    )

@@ -16,17 +16,19 @@ blocks freed) ends in NOT_FOUND; an engine death in UNAVAILABLE (the supervisor 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from libs.backends.api import Streamed
-from libs.backends.identity import engine_of
+from libs.backends.api import DecodeBackend
+from libs.backends.identity import PAGED_KV, capability, engine_of
+from libs.backends.in_flight import InFlight
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
 from libs.backends.vllm.prefill import DEFAULT_MAX_TOKENS, free_port
@@ -120,8 +122,8 @@ class FirstTokenFilter:
         return token_ids, text
 
 
-class VllmDecode:
-    """Decode of paged KV handoffs on vLLM's AsyncLLM (KV consumer)."""
+class VllmDecode(DecodeBackend):
+    """`DecodeBackend` on vLLM's AsyncLLM: decode of paged KV handoffs (KV consumer)."""
 
     name = "vllm"
 
@@ -132,17 +134,19 @@ class VllmDecode:
         self._producers = Producers(model_identity(settings, self.weights_digest))
         self._failure_dir = Path(tempfile.mkdtemp(prefix="epd-vllm-decode-"))
         self.supervisor = EngineSupervisor(self._build)
+        # Requests beyond vLLM's batch (max_num_seqs = max_batch) wait in admission, not in vLLM: a
+        # handoff's lease is checked before vLLM sees it, and vLLM reads the blocks as soon as it
+        # takes the request; queued inside vLLM, a lease could expire (blocks reused) before the read.
+        self.max_running = min(settings.max_running, settings.max_batch)
+        self.in_flight = InFlight()
         self._active = 0
 
     def _build(self) -> Any:
         kv = runtime.KvTransfer("kv_consumer", f"epd-decode-{secrets.token_hex(6)}", free_port())
         return runtime.build_engine(self._settings, failure_dir=self._failure_dir, ec_consumer=False, kv=kv)
 
-    @classmethod
-    async def start(cls, settings: EngineSettings) -> VllmDecode:
-        engine = cls(settings, RequestPlanner(settings.model, max_model_len=settings.max_model_len))
-        await engine.supervisor.start()
-        return engine
+    def capabilities(self) -> tuple[str, ...]:
+        return (PAGED_KV, capability(self.name))
 
     @property
     def active(self) -> int:
@@ -190,7 +194,20 @@ class VllmDecode:
         layouts = [convert.item_layout_to_engine(layout) for layout in state.engine_prompt.items]
         return self.planner.plan_decode(state.engine_prompt.token_ids, layouts, "decode_state.engine_prompt")
 
-    async def decode(self, request: decode_pb2.DecodeRequest, deadline: float | None) -> AsyncIterator[Streamed]:
+    async def decode(
+        self, request: decode_pb2.DecodeRequest, deadline: float | None
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        with self.in_flight.track(request.request_id):
+            async with contextlib.aclosing(self._decode(request, deadline)) as stream:
+                async for chunk, usage in stream:
+                    response = decode_pb2.DecodeResponse(chunk=chunk)
+                    if usage is not None:
+                        response.usage.CopyFrom(usage)
+                    yield response
+
+    async def _decode(
+        self, request: decode_pb2.DecodeRequest, deadline: float | None
+    ) -> AsyncGenerator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None], None]:
         prompt = await asyncio.to_thread(self._check, request)
         await self._producers.check(request.kv_cache.paged.producer_address)
         sampling = convert.sampling_to_engine(request.sampling)
@@ -259,3 +276,10 @@ class VllmDecode:
 
     async def close(self) -> None:
         await self.supervisor.close()
+
+
+async def start(settings: EngineSettings) -> VllmDecode:
+    """Start vLLM's engine (30-50 s on 2 cores): a KV consumer."""
+    backend = VllmDecode(settings, RequestPlanner(settings.model, max_model_len=settings.max_model_len))
+    await backend.supervisor.start()
+    return backend

@@ -11,24 +11,28 @@ requests with UNAVAILABLE and is restarted (`supervisor.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from libs.backends.api import Streamed
+from libs.backends.api import PrefillDecodeBackend
+from libs.backends.identity import capability
+from libs.backends.in_flight import InFlight
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
 from libs.backends.vllm.requests import RequestPlanner, failure_path
 from libs.backends.vllm.streams import EncoderAgents, count_embedding_bytes, next_output, raise_load_failure
 from libs.backends.vllm.supervisor import EngineSupervisor
-from libs.contract.epd.v1 import chat_pb2, generation_pb2
+from libs.contract.epd.v1 import generation_pb2, prefill_decode_pb2
 from libs.contract.errors import EpdError
 from libs.runtime import types as eng
+from libs.serving import convert
 from libs.serving.identity import model_identity
 from libs.telemetry.stages import record_duration, stage, start_phase
 
@@ -36,8 +40,8 @@ _log = structlog.get_logger(__name__)
 _FINISH = {"length": eng.FinishReason.LENGTH}
 
 
-class VllmPrefillDecode:
-    """`PrefillDecodeEngine` on vLLM's AsyncLLM."""
+class VllmPrefillDecode(PrefillDecodeBackend):
+    """`PrefillDecodeBackend` on vLLM's AsyncLLM."""
 
     name = "vllm"
 
@@ -50,18 +54,17 @@ class VllmPrefillDecode:
         self.supervisor = EngineSupervisor(
             lambda: runtime.build_engine(settings, failure_dir=failure_dir, ec_consumer=True)
         )
+        # vLLM queues beyond its batch itself, by priority (`scheduling_policy="priority"`), and
+        # starts a waiting request in the very step a sequence ends: it runs `max_running`.
+        self.max_running = settings.max_running
+        self.in_flight = InFlight()
         self._active = 0
 
-    @classmethod
-    async def start(cls, settings: EngineSettings) -> VllmPrefillDecode:
-        planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
-        failure_dir = Path(tempfile.mkdtemp(prefix="epd-vllm-failures-"))
-        engine = cls(settings, planner, failure_dir)
-        await engine.supervisor.start()
-        return engine
-
-    def expected_specs(self) -> list[eng.EmbeddingSpec]:
+    def embedding_specs(self) -> list[eng.EmbeddingSpec]:
         return self.planner.expected_specs()
+
+    def capabilities(self) -> tuple[str, ...]:
+        return (capability(self.name),)
 
     @property
     def active(self) -> int:
@@ -76,14 +79,24 @@ class VllmPrefillDecode:
         self.supervisor.watch_health(setter)
 
     async def generate(
-        self,
-        request_id: str,
-        messages: Sequence[chat_pb2.ChatMessage],
-        sampling: eng.SamplingParams,
-        deadline: float | None,
-        priority: int = 0,
-    ) -> AsyncIterator[Streamed]:
-        planned = await asyncio.to_thread(self.planner.plan, request_id, messages, sampling, self._agents, deadline)
+        self, request: prefill_decode_pb2.PrefillDecodeRequest, deadline: float | None
+    ) -> AsyncIterator[prefill_decode_pb2.PrefillDecodeResponse]:
+        with self.in_flight.track(request.request_id):
+            async with contextlib.aclosing(self._generate(request, deadline)) as stream:
+                async for chunk, usage in stream:
+                    response = prefill_decode_pb2.PrefillDecodeResponse(chunk=chunk)
+                    if usage is not None:
+                        response.usage.CopyFrom(usage)
+                    yield response
+
+    async def _generate(
+        self, request: prefill_decode_pb2.PrefillDecodeRequest, deadline: float | None
+    ) -> AsyncGenerator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None], None]:
+        request_id, priority = request.request_id, request.priority
+        sampling = convert.sampling_to_engine(request.sampling)
+        planned = await asyncio.to_thread(
+            self.planner.plan, request_id, request.messages, sampling, self._agents, deadline
+        )
         params = runtime.sampling_params(sampling, self._default_max_tokens, planned.items)
         llm = self.supervisor.current()
         failure = failure_path(self._failure_dir, request_id)
@@ -127,3 +140,12 @@ class VllmPrefillDecode:
         await self.supervisor.close()
         self._agents.close()
         shutil.rmtree(self._failure_dir, ignore_errors=True)
+
+
+async def start(settings: EngineSettings) -> VllmPrefillDecode:
+    """Start vLLM's engine (30-50 s on 2 cores): a consumer of the encoders' embeddings."""
+    planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
+    failure_dir = Path(tempfile.mkdtemp(prefix="epd-vllm-failures-"))
+    backend = VllmPrefillDecode(settings, planner, failure_dir)
+    await backend.supervisor.start()
+    return backend

@@ -22,6 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from libs.backends.api import PrefillBackend
+from libs.backends.identity import PAGED_KV, capability
+from libs.backends.in_flight import InFlight
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
 from libs.backends.vllm.requests import RequestPlanner, failure_path
@@ -105,8 +108,8 @@ class KvLeases:
             self._task.cancel()
 
 
-class VllmPrefill:
-    """Prefill of metadata-only requests on vLLM's AsyncLLM; the KV stays in its blocks for decode."""
+class VllmPrefill(PrefillBackend):
+    """`PrefillBackend` on vLLM's AsyncLLM: the KV stays in its blocks for decode."""
 
     name = "vllm"
 
@@ -117,23 +120,24 @@ class VllmPrefill:
         self._agents = EncoderAgents(model_identity(settings, self.weights_digest))
         self._failure_dir = failure_dir
         self.supervisor = EngineSupervisor(self._build)
-        self.leases = KvLeases(self.supervisor)
+        self.leases: KvLeases = KvLeases(self.supervisor)  # the KV blocks vLLM keeps for decode
         self.address = ""  # this service's, once it listens (the handoff names it)
+        self.max_running = settings.max_running
+        self.in_flight = InFlight()
         self._active = 0
 
     def _build(self) -> Any:
         kv = runtime.KvTransfer("kv_producer", f"epd-prefill-{secrets.token_hex(6)}", free_port())
         return runtime.build_engine(self._settings, failure_dir=self._failure_dir, ec_consumer=True, kv=kv)
 
-    @classmethod
-    async def start(cls, settings: EngineSettings) -> VllmPrefill:
-        planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
-        engine = cls(settings, planner, Path(tempfile.mkdtemp(prefix="epd-vllm-failures-")))
-        await engine.supervisor.start()
-        return engine
-
-    def expected_specs(self) -> list[eng.EmbeddingSpec]:
+    def embedding_specs(self) -> list[eng.EmbeddingSpec]:
         return self.planner.expected_specs()
+
+    def capabilities(self) -> tuple[str, ...]:
+        return (PAGED_KV, capability(self.name))
+
+    def serving_at(self, address: str) -> None:
+        self.address = address
 
     @property
     def active(self) -> int:
@@ -143,6 +147,12 @@ class VllmPrefill:
         self.supervisor.watch_health(setter)
 
     async def prefill(self, request: prefill_pb2.PrefillRequest, deadline: float | None) -> prefill_pb2.PrefillResponse:
+        with self.in_flight.track(request.request_id):
+            return await self._prefill(request, deadline)
+
+    async def _prefill(
+        self, request: prefill_pb2.PrefillRequest, deadline: float | None
+    ) -> prefill_pb2.PrefillResponse:
         sampling = convert.sampling_to_engine(request.sampling)
         planned = await asyncio.to_thread(
             self.planner.plan, request.request_id, request.messages, sampling, self._agents, deadline
@@ -252,3 +262,11 @@ class VllmPrefill:
         await self.supervisor.close()
         self._agents.close()
         shutil.rmtree(self._failure_dir, ignore_errors=True)
+
+
+async def start(settings: EngineSettings) -> VllmPrefill:
+    """Start vLLM's engine (30-50 s on 2 cores): a KV producer, consumer of the encoders' embeddings."""
+    planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
+    backend = VllmPrefill(settings, planner, Path(tempfile.mkdtemp(prefix="epd-vllm-failures-")))
+    await backend.supervisor.start()
+    return backend

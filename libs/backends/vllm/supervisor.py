@@ -35,7 +35,7 @@ class EngineSupervisor:
     def __init__(self, build: Callable[[], Any], *, poll_s: float = 0.5) -> None:
         self._build = build
         self._poll_s = poll_s
-        self._engine: Any = None
+        self._llm: Any = None
         self._health: HealthSetter | None = None
         self._watch: asyncio.Task[None] | None = None
         self._closing = False
@@ -43,7 +43,7 @@ class EngineSupervisor:
         self.restarts = 0
 
     async def start(self) -> None:
-        self._engine = await asyncio.to_thread(self._build)
+        self._llm = await asyncio.to_thread(self._build)
         self.generation += 1
         self._watch = asyncio.create_task(self._watch_loop(), name="vllm-engine-watch")
 
@@ -53,30 +53,30 @@ class EngineSupervisor:
 
     def current(self) -> Any:
         """The live engine, or UNAVAILABLE while it restarts."""
-        engine = self._engine
-        if engine is None or engine.errored:
+        llm = self._llm
+        if llm is None or llm.errored:
             raise Unavailable(
                 "vLLM engine is restarting after a failure; retry shortly", reason=Reason.ENGINE_RESTARTING
             )
-        return engine
+        return llm
 
     @property
     def alive(self) -> bool:
-        return self._engine is not None and not self._engine.errored
+        return self._llm is not None and not self._llm.errored
 
     async def _watch_loop(self) -> None:
         while not self._closing:
             await asyncio.sleep(self._poll_s)
-            engine = self._engine
-            if engine is None or not engine.errored or self._closing:
+            llm = self._llm
+            if llm is None or not llm.errored or self._closing:
                 continue
             _log.error("vLLM engine died; restarting", generation=self.generation)
             await self._set_health(False)
-            self._engine = None
-            await asyncio.to_thread(_shutdown, engine)
+            self._llm = None
+            await asyncio.to_thread(_shutdown, llm)
             while not self._closing:
                 try:
-                    self._engine = await asyncio.to_thread(self._build)
+                    self._llm = await asyncio.to_thread(self._build)
                     break
                 except Exception:
                     _log.exception("vLLM engine restart failed; trying again")
@@ -99,11 +99,11 @@ class EngineSupervisor:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            await asyncio.to_thread(_shutdown, engine)
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            await asyncio.to_thread(_shutdown, llm)
 
 
-def _shutdown(engine: Any) -> None:
+def _shutdown(llm: Any) -> None:
     with contextlib.suppress(Exception):
-        engine.shutdown()
+        llm.shutdown()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+from libs.backends.api import EngineLeases
 from libs.contract.epd.v1 import lease_pb2, lease_pb2_grpc, stats_pb2, stats_pb2_grpc
 from libs.contract.validation import validate_release_leases_request
 from libs.rpc.main import Register
@@ -24,17 +25,6 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         producer = self._transport.producer
         released = producer.release(request.lease_ids) if producer is not None else 0
         return lease_pb2.ReleaseLeasesResponse(released_count=released)
-
-
-class EngineLeases(Protocol):
-    """Tensors an engine holds for consumers outside the service's transport (vLLM's paged KV
-    blocks kept for decode), with the same lease rules."""
-
-    def held(self) -> int: ...
-
-    async def release(self, lease_ids: Sequence[str]) -> int: ...
-
-    async def pool_stats(self) -> stats_pb2.TransferPoolStats: ...
 
 
 class EngineLeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
