@@ -14,13 +14,11 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from libs.contract.epd.v1 import media_pb2
 from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
-
-if TYPE_CHECKING:  # no runtime import: the router hashes items without loading torch
-    from libs.runtime.types import Modality, ProcessorOptions
+from libs.runtime.types import Modality, ProcessorOptions  # torch-free: the router hashes items
 
 # Capability of encoders that honor `EncodeRequest.cache_policy` = CACHE_POLICY_CACHED_ONLY (1.2).
 CACHED_ONLY = "encoder.cached_only"

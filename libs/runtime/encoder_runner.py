@@ -12,11 +12,12 @@ from pathlib import Path
 import torch
 
 from libs.runtime.checkpoint import Checkpoint, load_into
+from libs.runtime.dtypes import dtype_name
 from libs.runtime.errors import EmbeddingMismatchError, UnsupportedModalityError
 from libs.runtime.families import adapter_for
 from libs.runtime.families.base import PreparedItem
 from libs.runtime.media.limits import MediaLimits
-from libs.runtime.types import EmbeddingSpec, EncodedItem, ExtraTensorSpec, MediaInput, Modality, dtype_name
+from libs.runtime.types import EmbeddingSpec, EncodedItem, ExtraTensorSpec, MediaInput, Modality
 
 # Bump when the project's preprocessing changes what an item turns into (cached outputs of the old
 # code must not be served): 2 = transformers-processor parity (docs/runtime.md, "Preprocessing").

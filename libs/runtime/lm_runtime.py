@@ -10,9 +10,10 @@ from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from libs.runtime.checkpoint import Checkpoint, load_into
+from libs.runtime.dtypes import dtype_name
 from libs.runtime.errors import InvalidRequestError
 from libs.runtime.families import adapter_for
-from libs.runtime.types import EmbeddingSpec, ExtraTensorSpec, KvCacheLayout, dtype_name
+from libs.runtime.types import EmbeddingSpec, ExtraTensorSpec, KvCacheLayout
 
 
 class LanguageModelRuntime:

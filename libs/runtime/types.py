@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from libs.runtime.errors import EmbeddingMismatchError
+
+if TYPE_CHECKING:  # torch only in annotations: the router and the cache keys use these without it
+    import torch
 
 
 class Modality(enum.Enum):
@@ -18,21 +20,6 @@ class Modality(enum.Enum):
 
 
 # Element types the engine emits, by the name the services map onto epd.v1.DType.
-DTYPE_BY_NAME: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-NAME_BY_DTYPE: dict[torch.dtype, str] = {v: k for k, v in DTYPE_BY_NAME.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return NAME_BY_DTYPE[dtype]
 
 
 @dataclass(frozen=True)

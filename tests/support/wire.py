@@ -11,17 +11,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from libs.runtime.types import (
-    DTYPE_BY_NAME,
-    AudioLayout,
-    DecodeState,
-    ImageLayout,
-    ItemLayout,
-    KvCacheLayout,
-    Modality,
-    VideoLayout,
-    dtype_name,
-)
+from libs.runtime.dtypes import DTYPE_BY_NAME, dtype_name
+from libs.runtime.types import AudioLayout, DecodeState, ImageLayout, ItemLayout, KvCacheLayout, Modality, VideoLayout
 
 
 def pack(header: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> bytes:

@@ -30,8 +30,9 @@ from libs.contract.epd.v1 import encoder_pb2, layout_pb2, service_info_pb2, tens
 from libs.contract.errors import NotFound
 from libs.contract.validation import Limits
 from libs.runtime import types as eng
+from libs.runtime.dtypes import dtype_name
 from libs.runtime.encoder_runner import EncoderRunner, media_hash
-from libs.runtime.types import EncodedItem, MediaInput, dtype_name
+from libs.runtime.types import EncodedItem, MediaInput
 from libs.serving import convert
 from libs.serving.compute_thread import ComputeThread
 from libs.serving.encoding import encode_items
