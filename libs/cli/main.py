@@ -76,6 +76,12 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
         "--cache-store-mib", type=int, default=None, help="memory the store's holder lends, in MiB (default 256)"
     )
     parser.add_argument(
+        "--openai-door",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also start the OpenAI-compatible HTTP door in front of the router (default: on)",
+    )
+    parser.add_argument(
         "--tls",
         action="store_true",
         default=None,
@@ -100,7 +106,10 @@ def _described_spec(ns: argparse.Namespace, env: dict[str, str]) -> StackSpec:
         print(f"epd: {note}", file=sys.stderr)
     spec = plan.spec
     return dataclasses.replace(
-        spec, model=ensure_model(spec.model), ready_timeout_s=420.0 if spec.engine == "vllm" else 120.0
+        spec,
+        model=ensure_model(spec.model),
+        ready_timeout_s=420.0 if spec.engine == "vllm" else 120.0,
+        openai_door=spec.openai_door and ns.openai_door,
     )
 
 
@@ -128,6 +137,7 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
         tls=bool(ns.tls),
         engine=engine,
         ready_timeout_s=420.0 if engine == "vllm" else 120.0,
+        openai_door=ns.openai_door,
     )
 
 
@@ -147,6 +157,8 @@ def cmd_up(ns: argparse.Namespace) -> int:
     address_file.write_text(address)
     pids = ", ".join(f"{name} {p.pid}" for name, p in stack.processes.items())
     print(f"router listening on {address}  ({stack.spec.layout}; {pids}; logs in {ns.run_dir})", flush=True)
+    if stack.door_url:
+        print(f"OpenAI-compatible API at {stack.door_url}  (model {stack.spec.model.name})", flush=True)
     if stack.spec.tls:
         print(f"TLS: clients need {stack.tls_dir / 'ca.pem'} and the token in {stack.tls_dir / CLIENT_TOKEN}")
     print("Ctrl-C stops the stack.", flush=True)

@@ -68,6 +68,9 @@ class StackSpec:
     # an unchanged service (tests/support/gated.py holds a service's work at gates a test opens).
     run_through: dict[str, list[str]] = field(default_factory=dict)
     ready_timeout_s: float = 120.0
+    # The OpenAI-compatible HTTP door (services/openai_door) in front of the router (or the
+    # colocated service); `Stack.door_url` is its base URL.
+    openai_door: bool = False
 
 
 def replica_names(role: str, replicas: int) -> list[str]:
@@ -94,6 +97,7 @@ class Stack:
         self.spec = spec
         self.processes: dict[str, ServiceProcess] = {}
         self.address = ""
+        self.door_url = ""  # http(s)://HOST:PORT/v1 of the OpenAI door, when it runs
         self.store: StoreProcesses | None = None
         self._ca: LocalCa | None = None
         self._ports: set[int] = set()
@@ -109,7 +113,7 @@ class Stack:
         role = module.rsplit(".", 1)[-1]
         ca, cert, key = write_material(self._ca.issue(role), self.tls_dir, name)
         args = ["--tls-ca", str(ca), "--tls-cert", str(cert), "--tls-key", str(key)]
-        if role in ("router", "colocated"):
+        if role in ("router", "colocated", "openai_door"):
             args += ["--auth-tokens-file", str(self.tls_dir / CLIENT_TOKEN)]
         return args
 
@@ -171,6 +175,7 @@ class Stack:
                 colocated = self._process("colocated", "services.colocated", self._model_args())
                 colocated.start()
                 self.address = colocated.wait_ready(spec.ready_timeout_s)
+                self._start_door(spec.ready_timeout_s)
                 return self.address
             encoder_args = self._model_args()
             if spec.cache_store:
@@ -202,14 +207,24 @@ class Stack:
             router = self._process("router", "services.router", router_args)
             router.start()
             self.address = router.wait_ready(max(1.0, remaining - (time.monotonic() - started)))
+            self._start_door(max(1.0, remaining - (time.monotonic() - started)))
             return self.address
         except BaseException:
             self.down()
             raise
 
+    def _start_door(self, timeout_s: float) -> None:
+        if not self.spec.openai_door:
+            return
+        args = ["--router", self.address, "--model", str(self.spec.model)]
+        door = self._process("openai_door", "services.openai_door", args)
+        door.start()
+        address = door.wait_ready(timeout_s)
+        self.door_url = f"{'https' if self.spec.tls else 'http'}://{address}/v1"
+
     def down(self) -> dict[str, int | None]:
-        """Stop the router first (no new work), then the back ends; returns exit statuses."""
-        order = sorted(self.processes, key=lambda n: 0 if n == "router" else 1)
+        """Stop the front doors first (no new work), then the back ends; returns exit statuses."""
+        order = sorted(self.processes, key=lambda n: {"openai_door": 0, "router": 1}.get(n, 2))
         statuses = {name: self.processes[name].stop() for name in order}
         if self.store is not None:
             self.store.stop()

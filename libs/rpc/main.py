@@ -87,7 +87,7 @@ def client_facing(parts: ServiceParts, settings: ClientAuthSettings) -> ServiceP
     return dataclasses.replace(parts, public=True, tokens=tokens)
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """Launched by a launcher (EPD_PARENT_PID): drain and exit if it dies without stopping us, so an
     aborted test run or a killed `epd up` leaves no orphans holding memory and ports."""
     parent = os.environ.get("EPD_PARENT_PID", "")
@@ -117,7 +117,7 @@ def service_main(name: str, settings_cls: type[S], setup: Callable[[S], Awaitabl
     tracing = configure_tracing(name, "0.1.0", settings.trace_exporter, settings.trace_file, settings.otlp_endpoint)
     configure_metrics(name, settings.metrics_port, settings.host)
     log = structlog.get_logger(name)
-    _exit_with_parent()
+    exit_with_parent()
     log.info("starting", settings={k: str(v) for k, v in dataclasses.asdict(settings).items() if k not in _SECRET})
     try:
         security.configure(TlsMaterial.from_settings(settings.tls_ca, settings.tls_cert, settings.tls_key))

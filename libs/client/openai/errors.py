@@ -1,0 +1,95 @@
+"""OpenAI error objects and the HTTP status each gRPC status becomes.
+
+OpenAI's clients read `{"error": {"message", "type", "param", "code"}}` with the HTTP status; the
+openai Python client raises `BadRequestError` for 400, `AuthenticationError` for 401,
+`RateLimitError` for 429 (honouring `Retry-After`), `InternalServerError` for 5xx.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from libs.contract.grpc_status import ERROR_FIELD_METADATA_KEY
+from libs.contract.reasons import Reason, reason_of
+
+# Seconds a client told to back off (429, 503 while draining) waits before retrying.
+RETRY_AFTER_S = 1
+# gRPC refuses a message over its size bound with RESOURCE_EXHAUSTED and this text: that is a
+# request too large (413), not an overload (429).
+_TOO_LARGE_MARKERS = ("larger than max", "message larger", "exceeds")
+
+_HTTP_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+_TYPE_BY_HTTP = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "request_cancelled",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+@dataclass
+class ApiError(Exception):
+    """An error answered as an OpenAI error object; `param` names the request field at fault."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def body(self) -> dict[str, Any]:
+        kind = _TYPE_BY_HTTP.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+def too_large(param: str, message: str) -> ApiError:
+    return ApiError(413, f"{param}: {message}", param=param, code="request_too_large")
+
+
+def from_rpc(exc: grpc.aio.AioRpcError) -> ApiError:
+    """The OpenAI error for a failed `Generate` call; the field the server named (trailer
+    `epd-error-field`) becomes `param`, prefixed `epd.` because it is a path in the gRPC request."""
+    code = exc.code()
+    message = exc.details() or code.name
+    status = _HTTP_BY_CODE.get(code, 500)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(m in message for m in _TOO_LARGE_MARKERS):
+        status = 413
+    trailers = {k: v for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str)}
+    param = trailers.get(ERROR_FIELD_METADATA_KEY)
+    reason = reason_of(exc)
+    headers = {}
+    if status == 429 or (status == 503 and reason in (Reason.DRAINING, Reason.ENGINE_RESTARTING, Reason.OVERLOADED)):
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    return ApiError(
+        status,
+        message,
+        param=f"epd.{param}" if param else None,
+        code=reason.value.lower() if reason is not None else code.name.lower(),
+        headers=headers,
+    )

@@ -1,0 +1,3 @@
+from services.openai_door.service import main
+
+main()

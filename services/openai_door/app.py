@@ -1,0 +1,278 @@
+"""The ASGI application: OpenAI's routes over the router's `Generate` (FastAPI, as vLLM's server).
+
+Each request is validated (pydantic; unknown fields refused), its media fetched (bounded,
+SSRF-safe: `libs/fetch`), turned into one `GenerateRequest` per choice and streamed back as
+OpenAI's objects or SSE chunks. Errors are OpenAI error objects (`libs/client/openai/errors.py`).
+A client that disconnects cancels its calls; `traceparent` continues into the router's spans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import fastapi
+import structlog
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+from libs.client.openai import chat, errors, responses
+from libs.client.openai.errors import ApiError
+from libs.client.openai.fields import parse
+from libs.contract.epd.v1 import media_pb2
+from libs.fetch import FetchClient, MediaFetchError
+from services.openai_door.calls import Caller
+from services.openai_door.calls import responses as choice_responses
+
+T = TypeVar("T")
+_log = structlog.get_logger("openai_door")
+_tracer = trace.get_tracer("epd.openai_door")
+
+
+@dataclass(frozen=True)
+class DoorConfig:
+    served_model: str  # the model id clients send and /v1/models lists
+    model_root: Path  # the checkpoint directory (/v1/models `root`: where clients find the tokenizer)
+    request_timeout_s: float
+    default_temperature: float
+    max_body_bytes: int
+    tokens: frozenset[str]  # bearer tokens the door accepts (empty: none needed), passed on to the router
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "epd_door_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "epd_door_time_to_first_token_seconds", "seconds to the first token, per request", registry=self.registry
+        )
+        self.cancelled = Counter(
+            "epd_door_client_disconnects", "requests whose client left before the answer ended", registry=self.registry
+        )
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _until_disconnected(request: fastapi.Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: fastapi.Request, work: Awaitable[T]) -> T:
+    """`work`, cancelled (its calls with it) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise ApiError(499, "the client closed the connection", code="client_closed_request")
+    return task.result()
+
+
+def create_app(config: DoorConfig, caller: Caller, fetch: FetchClient, health: Callable[[], Awaitable[bool]]) -> fastapi.FastAPI:
+    app = fastapi.FastAPI(title="EPD OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = Metrics()
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: fastapi.Request, exc: ApiError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.middleware("http")
+    async def count(request: fastapi.Request, call_next: Callable[[fastapi.Request], Awaitable[Response]]) -> Response:
+        response = await call_next(request)
+        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    def authorize(request: fastapi.Request) -> str | None:
+        """The caller's bearer token (passed on to the router); 401 when tokens are configured and
+        it is missing or unknown."""
+        header = request.headers.get("authorization", "")
+        token = header[7:].strip() if header.lower().startswith("bearer ") else None
+        if config.tokens and not (token and any(hmac.compare_digest(token, t) for t in config.tokens)):
+            raise ApiError(401, "missing or unknown bearer token", code="invalid_api_key")
+        return token
+
+    async def body_of(request: fastapi.Request) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
+            raise errors.too_large("body", f"{length} bytes, limit {config.max_body_bytes}")
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > config.max_body_bytes:
+                raise errors.too_large("body", f"over {config.max_body_bytes} bytes")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not JSON: {exc}", code="invalid_json") from None
+
+    def check_model(model: str) -> None:
+        if model not in (config.served_model, str(config.model_root)):
+            raise ApiError(
+                404, f"model {model!r} is not served here (this server serves {config.served_model!r})",
+                param="model", code="model_not_found",
+            )
+
+    async def fetched_media(body: chat.ChatCompletionRequest) -> dict[str, media_pb2.MediaItem]:
+        fetcher = fetch.for_request()
+        try:
+            parts = chat.media_parts(body)
+
+            async def one(path: str, part: chat.MediaPart) -> tuple[str, media_pb2.MediaItem]:
+                modality, url = chat.media_source(part)
+                try:
+                    got = await fetcher.fetch(url)
+                except MediaFetchError as exc:
+                    field = f"{path}.{part.type}" + (".data" if part.type == "input_audio" else ".url")
+                    if exc.kind == "too_large":
+                        raise errors.too_large(field, str(exc)) from None
+                    raise errors.invalid(field, str(exc)) from None
+                return path, media_pb2.MediaItem(modality=modality, data=got.data, mime_type=got.mime_type, id=path)
+
+            return dict(await asyncio.gather(*(one(p, part) for p, part in parts)))
+        finally:
+            await fetcher.close()
+
+    @app.get("/health")
+    async def get_health() -> Response:
+        ok = await health()
+        return JSONResponse({"status": "serving" if ok else "not_serving"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models(request: fastapi.Request) -> Response:
+        authorize(request)
+        model = {
+            "id": config.served_model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "epd",
+            "root": str(config.model_root),
+            "parent": None,
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: fastapi.Request) -> Response:
+        span_context = propagate.extract(dict(request.headers))
+        token = authorize(request)
+        body: chat.ChatCompletionRequest = parse(chat.ChatCompletionRequest, await body_of(request))
+        check_model(body.model)
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        envelope = responses.Envelope(f"chatcmpl-{request_id}", body.model, int(time.time()))
+        call = Caller(caller.stub, caller.timeout_s, token)
+        with_logprobs = body.logprobs
+        started = time.perf_counter()
+
+        async def prepared() -> list[Any]:
+            media = await fetched_media(body)
+            return [
+                chat.generate_request(
+                    body, media, request_id=request_id, choice=i, default_temperature=config.default_temperature
+                )
+                for i in range(body.n)
+            ]
+
+        if not body.stream:
+            with _tracer.start_as_current_span(
+                "POST /v1/chat/completions", context=span_context, kind=SpanKind.SERVER
+            ) as span:
+
+                async def whole() -> dict[str, Any]:
+                    requests = await prepared()
+                    choices = [responses.Choice(i) for i in range(body.n)]
+                    async for index, response in choice_responses(call, requests):
+                        if response.chunk.token_ids and not any(c.chunks for c in choices):
+                            metrics.ttft.observe(time.perf_counter() - started)
+                        choices[index].add(response)
+                    return envelope.chat_completion(choices, with_logprobs)
+
+                try:
+                    return JSONResponse(await _unless_disconnected(request, whole()))
+                except ApiError as exc:
+                    _record(span, exc, metrics)
+                    raise
+
+        # Streaming: validate and fetch before the 200 goes out, so errors keep their status. One
+        # span covers the request, from here to the stream's end.
+        span = _tracer.start_span("POST /v1/chat/completions", context=span_context, kind=SpanKind.SERVER)
+        try:
+            with trace.use_span(span):
+                requests = await _unless_disconnected(request, prepared())
+        except BaseException as exc:
+            if isinstance(exc, ApiError):
+                _record(span, exc, metrics)
+            span.end()
+            raise
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            choices = [responses.Choice(i) for i in range(body.n)]
+            finished = False
+            with trace.use_span(span, end_on_exit=True):
+                try:
+                    async for index, response in choice_responses(call, requests):
+                        choice = choices[index]
+                        first = not choice.chunks
+                        if first and not any(c.chunks for c in choices):
+                            metrics.ttft.observe(time.perf_counter() - started)
+                        choice.add(response)
+                        if response.chunk.text or response.chunk.finish_reason or first:
+                            yield responses.sse(
+                                envelope.chat_chunk(index, response.chunk, first=first, logprobs=with_logprobs)
+                            )
+                    if include_usage:
+                        yield responses.sse(envelope.usage_chunk("chat.completion.chunk", choices))
+                    finished = True
+                    yield responses.DONE
+                except ApiError as exc:
+                    # Past the 200: OpenAI's servers report a mid-stream failure as an error event.
+                    _record(span, exc, metrics)
+                    finished = True
+                    yield responses.sse(exc.body())
+                    yield responses.DONE
+                finally:
+                    if not finished:
+                        span.add_event("client disconnected")
+                        span.set_status(Status(StatusCode.ERROR, "client disconnected"))
+                        metrics.cancelled.inc()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    return app
+
+
+def _record(span: trace.Span, exc: ApiError, metrics: Metrics) -> None:
+    span.set_attribute("http.response.status_code", exc.status)
+    span.set_status(Status(StatusCode.ERROR, exc.message[:200]))
+    if exc.status == 499:
+        span.add_event("client disconnected")
+        metrics.cancelled.inc()
+
+
+async def router_health(stub: health_pb2_grpc.HealthStub) -> bool:
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+    except Exception:  # noqa: BLE001 - any failure to answer is "not serving"
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
