@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import ipaddress
-import socket
 
 import pytest
-from aiohttp.abc import AbstractResolver, ResolveResult
 
 from libs.fetch import FetchClient, FetchLimits, MediaFetchError, address_forbidden
 from libs.fetch.media import _ForbiddenAddress, _GuardedResolver
+from tests.support.media_server import FakeDns
 
 pytestmark = pytest.mark.unit
 
@@ -184,29 +183,6 @@ def test_limits_refuse_nonsense() -> None:
         FetchLimits(schemes=frozenset({"http", "file"}))
     with pytest.raises(ValueError, match="allow_networks"):
         FetchLimits(allow_networks=frozenset({"10.0.0.0/33"}))
-
-
-class FakeDns(AbstractResolver):
-    """Answers from a table, as a rebinding DNS server would: whatever the attacker chose."""
-
-    def __init__(self, table: dict[str, list[str]]) -> None:
-        self.table = table
-
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
-        return [
-            ResolveResult(
-                hostname=host,
-                host=address,
-                port=port,
-                family=socket.AF_INET6 if ":" in address else socket.AF_INET,
-                proto=0,
-                flags=0,
-            )
-            for address in self.table[host]
-        ]
-
-    async def close(self) -> None:
-        pass
 
 
 def test_the_resolver_drops_non_public_answers_and_refuses_a_name_with_none_left() -> None:
