@@ -8,6 +8,8 @@ injects the current context into outgoing metadata.
 
 from __future__ import annotations
 
+import asyncio
+
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -60,7 +62,7 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type
                     try:
                         return await inner_unary(request, context)
                     except BaseException as exc:
-                        current.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                        _record_exception(current, exc)
                         raise
                     finally:
                         _record_status(current, context)
@@ -79,7 +81,7 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type
                         async for response in inner_stream(request, context):
                             yield response
                     except BaseException as exc:
-                        current.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                        _record_exception(current, exc)
                         raise
                     finally:
                         _record_status(current, context)
@@ -92,10 +94,18 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type
         return handler
 
 
+def _record_exception(span: Any, exc: BaseException) -> None:
+    """A handler ended by an exception: ERROR; one cancelled (the caller went away or its deadline
+    passed) also records CANCELLED as its status code, which the handler never got to set."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.CANCELLED.value[0])
+    span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+
+
 def _record_status(span: Any, context: Any) -> None:
     """The status a handler set (`end_call`): `rpc.grpc.status_code`, and ERROR unless OK."""
     code = context.code()
-    if code is not None and code != grpc.StatusCode.OK:
+    if code is not None and code != grpc.StatusCode.OK and "rpc.grpc.status_code" not in getattr(span, "attributes", {}):
         span.set_attribute("rpc.grpc.status_code", code.value[0])
         span.set_status(Status(StatusCode.ERROR, code.name))
 

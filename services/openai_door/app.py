@@ -140,7 +140,7 @@ def create_app(config: DoorConfig, caller: Caller, fetch: FetchClient, health: C
                 try:
                     got = await fetcher.fetch(url)
                 except MediaFetchError as exc:
-                    field = f"{path}.{part.type}" + (".data" if part.type == "input_audio" else ".url")
+                    field = chat.source_field(path, part)
                     if exc.kind == "too_large":
                         raise errors.too_large(field, str(exc)) from None
                     raise errors.invalid(field, str(exc)) from None
@@ -181,6 +181,7 @@ def create_app(config: DoorConfig, caller: Caller, fetch: FetchClient, health: C
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         envelope = responses.Envelope(f"chatcmpl-{request_id}", body.model, int(time.time()))
         call = Caller(caller.stub, caller.timeout_s, token)
+        media_fields = [chat.source_field(path, part) for path, part in chat.media_parts(body)]
         with_logprobs = body.logprobs
         started = time.perf_counter()
 
@@ -210,8 +211,9 @@ def create_app(config: DoorConfig, caller: Caller, fetch: FetchClient, health: C
                 try:
                     return JSONResponse(await _unless_disconnected(request, whole()))
                 except ApiError as exc:
-                    _record(span, exc, metrics)
-                    raise
+                    error = errors.relocate(exc, media_fields)
+                    _record(span, error, metrics)
+                    raise error from None
 
         # Streaming: validate and fetch before the 200 goes out, so errors keep their status. One
         # span covers the request, from here to the stream's end.
@@ -247,9 +249,10 @@ def create_app(config: DoorConfig, caller: Caller, fetch: FetchClient, health: C
                     yield responses.DONE
                 except ApiError as exc:
                     # Past the 200: OpenAI's servers report a mid-stream failure as an error event.
-                    _record(span, exc, metrics)
+                    error = errors.relocate(exc, media_fields)
+                    _record(span, error, metrics)
                     finished = True
-                    yield responses.sse(exc.body())
+                    yield responses.sse(error.body())
                     yield responses.DONE
                 finally:
                     if not finished:

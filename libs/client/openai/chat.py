@@ -114,6 +114,11 @@ def media_source(part: MediaPart) -> tuple[media_pb2.Modality.ValueType, str]:
     return media_pb2.MODALITY_AUDIO, f"data:{_AUDIO_MIME[part.input_audio.format]};base64,{part.input_audio.data}"
 
 
+def source_field(path: str, part: MediaPart) -> str:
+    """The field holding a media part's bytes or URL: `messages[0].content[1].image_url.url`."""
+    return f"{path}.{part.type}." + ("data" if isinstance(part, InputAudioPart) else "url")
+
+
 def media_parts(body: ChatCompletionRequest) -> list[tuple[str, MediaPart]]:
     """Every media part with its field path (`messages[0].content[1]`), in prompt order."""
     found: list[tuple[str, MediaPart]] = []

@@ -7,6 +7,9 @@ openai Python client raises `BadRequestError` for 400, `AuthenticationError` for
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,3 +96,15 @@ def from_rpc(exc: grpc.aio.AioRpcError) -> ApiError:
         code=reason.value.lower() if reason is not None else code.name.lower(),
         headers=headers,
     )
+
+
+_MEDIA_ITEM = re.compile(r"^epd\.media item (\d+)$")
+
+
+def relocate(error: ApiError, media_fields: Sequence[str]) -> ApiError:
+    """A router error about its media item i named by the field of the request's i-th media part
+    (`messages[0].content[1].image_url.url`): the field the client sent."""
+    match = _MEDIA_ITEM.match(error.param or "")
+    if match is None or int(match.group(1)) >= len(media_fields):
+        return error
+    return dataclasses.replace(error, param=media_fields[int(match.group(1))])

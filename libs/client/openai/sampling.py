@@ -45,11 +45,11 @@ class SamplingFields(Body):
             max_tokens=max_tokens or 0,
             stop=stop,
             stop_token_ids=self.stop_token_ids or [],
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos,
         )
+        # Contract 1.6 fields, set only when asked for (a request without them is a 1.5 request).
+        for name in ("presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos"):
+            if getattr(self, name):
+                setattr(params, name, getattr(self, name))
         if self.top_p is not None:
             params.top_p = self.top_p
         if self.seed is not None:

@@ -1,0 +1,250 @@
+"""The OpenAI door in front of a real E/P/D stack, called with the real `openai` client: chat with
+media by data URL and by http URL from a local server, streaming and not, the same text as the gRPC
+path for the same request, errors as OpenAI error objects, a client that disconnects mid-stream
+(the door's span and metrics show it, every pool ends empty), and one trace from HTTP to decode."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from libs.client.generate import build_request
+from libs.contract.epd.v1 import chat_pb2, generate_pb2, sampling_pb2
+from libs.launch.process import ServiceProcess
+from libs.launch.stack import Stack
+from libs.runtime.types import Modality
+from libs.telemetry.spans import OtlpReceiver
+from tests.support.media_server import MediaServer
+from tests.support.metrics import counter_total
+from tests.support.stacks import MIXES, run_requests, wait_for, wait_pools_empty
+from tests.support.tracing import trace_spans, tracing_env
+
+pytestmark = pytest.mark.stack
+
+MODEL = "qwen2_5_omni-tiny"
+_MIME = {Modality.IMAGE: "image/png", Modality.VIDEO: "video/mp4", Modality.AUDIO: "audio/wav"}
+_PART = {Modality.IMAGE: "image_url", Modality.VIDEO: "video_url"}
+
+
+@pytest.fixture(scope="module")
+def stack(stacks: Callable[[str], Stack]) -> Stack:
+    return stacks("e/p/d")
+
+
+@pytest.fixture(scope="module")
+def door(stack: Stack, model_path: Path, receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The door as its own process in front of the session's E/P/D router; yields its base URL."""
+    process = ServiceProcess(
+        name="openai_door",
+        module="services.openai_door",
+        args=["--router", stack.address, "--model", str(model_path), "--fetch-allow-private"],
+        log_path=tmp_path_factory.mktemp("door") / "openai_door.log",
+        env=tracing_env(receiver),
+    )
+    process.start()
+    try:
+        address = process.wait_ready(60)
+        yield f"http://{address}/v1"
+    finally:
+        assert process.stop() == 0, process.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(door: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=door, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def media_url() -> Iterator[Callable[[str, bytes, str], str]]:
+    """Serve bytes at http://127.0.0.1:PORT/<name> from a thread's own loop; returns (name, data, mime) -> URL."""
+    from aiohttp import web
+
+    files: dict[str, tuple[bytes, str]] = {}
+    hits: dict[str, int] = {}
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    holder: dict[str, Any] = {}
+
+    async def handle(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        hits[name] = hits.get(name, 0) + 1
+        data, mime = files[name]
+        return web.Response(body=data, content_type=mime)
+
+    async def start() -> None:
+        app = web.Application()
+        app.router.add_get("/{name}", handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        holder["runner"], holder["port"] = runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        ready.set()
+
+    thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
+    thread.start()
+    ready.wait(10)
+
+    def put(name: str, data: bytes, mime: str) -> str:
+        files[name] = (data, mime)
+        return f"http://127.0.0.1:{holder['port']}/{name}"
+
+    put.hits = hits  # type: ignore[attr-defined]
+    yield put
+    asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def _openai_content(mix_name: str, url_of: Callable[[int], str] | None = None) -> list[dict[str, Any]]:
+    """The golden mix as OpenAI content parts: media as data URLs (or `url_of(i)`), in prompt order."""
+    mix = MIXES[mix_name]
+    parts: list[dict[str, Any]] = []
+    for part in mix.parts:
+        if isinstance(part, str):
+            parts.append({"type": "text", "text": part})
+            continue
+        media = mix.media[part]
+        if media.modality == Modality.AUDIO:
+            parts.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(media.data).decode(), "format": "wav"}})
+            continue
+        url = url_of(part) if url_of else f"data:{_MIME[media.modality]};base64,{base64.b64encode(media.data).decode()}"
+        kind = _PART[media.modality]
+        parts.append({"type": kind, kind: {"url": url}})
+    return parts
+
+
+def _grpc_text(stack: Stack, mix_name: str, max_tokens: int) -> str:
+    from tests.support.golden import request_for
+
+    request = request_for(MIXES[mix_name], max_tokens=max_tokens)
+    return run_requests(stack.address, [request])[0].text
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mix_name", sorted(MIXES))
+def test_chat_matches_the_grpc_path(client: openai.OpenAI, stack: Stack, mix_name: str) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=8, messages=[{"role": "user", "content": _openai_content(mix_name)}]
+    )
+    assert reply.choices[0].message.content == _grpc_text(stack, mix_name, 8)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage is not None and reply.usage.completion_tokens == 8 or reply.choices[0].finish_reason == "stop"
+    media = len(MIXES[mix_name].media)
+    # Prompt tokens count the media placeholders: far more than the text alone.
+    assert reply.usage is not None and reply.usage.prompt_tokens > 10 + 4 * media
+
+
+@pytest.mark.timeout(300)
+def test_streamed_equals_whole_and_ends_with_usage(client: openai.OpenAI) -> None:
+    content = _openai_content("image")
+    whole = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=[{"role": "user", "content": content}])
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, temperature=0, max_tokens=12, stream=True, stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": content}],
+        )
+    )
+    assert chunks[0].choices and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert not chunks[-1].choices and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump() if whole.usage else False
+
+
+@pytest.mark.timeout(300)
+def test_image_by_url_is_fetched_once_per_request(client: openai.OpenAI, stack: Stack, media_url: Any) -> None:
+    image = MIXES["image"].media[0].data
+    url = media_url("cat.png", image, "image/png")
+    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "image_url", "image_url": {"url": url}},
+             {"type": "text", "text": "Compare."}]
+    by_url = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=[{"role": "user", "content": parts}])
+    data_url = f"data:image/png;base64,{base64.b64encode(image).decode()}"
+    inline = [{**p, "image_url": {"url": data_url}} if p["type"] == "image_url" else p for p in parts]
+    by_data = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=[{"role": "user", "content": inline}])
+    assert by_url.choices[0].message.content == by_data.choices[0].message.content
+    assert media_url.hits["cat.png"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_models_and_health(client: openai.OpenAI, door: str, model_path: Path) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_dump()["root"] == str(model_path.resolve())
+    health = httpx.get(door.removesuffix("/v1") + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "serving"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"temperature": 5}, "temperature"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}]}]},
+         "messages[0].content[0].image_url.url"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "x"}]}]},
+         "messages[0].content[0].image_url.url"),
+    ],
+)
+def test_bad_requests_are_400_naming_the_field(door: str, body: dict[str, Any], param: str) -> None:
+    payload = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **body}
+    reply = httpx.post(f"{door}/chat/completions", json=payload, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+
+
+@pytest.mark.timeout(120)
+def test_unknown_model_is_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-9", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.body["param"] == "model"  # type: ignore[index]
+
+
+@pytest.mark.timeout(300)
+def test_disconnect_mid_stream_cancels_the_calls(door: str, stack: Stack, receiver: OtlpReceiver) -> None:
+    trace_id = "%032x" % int.from_bytes(__import__("os").urandom(16))
+    before = counter_total(httpx.get(door.removesuffix("/v1") + "/metrics").text, "epd_door_client_disconnects_total")
+    payload = {
+        "model": MODEL, "temperature": 0, "max_tokens": 4000, "stream": True,
+        "messages": [{"role": "user", "content": _openai_content("image")}],
+    }
+    headers = {"traceparent": f"00-{trace_id}-{'1' * 16}-01"}
+    with httpx.stream("POST", f"{door}/chat/completions", json=payload, headers=headers, timeout=120) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                break  # one token arrived: generation is under way; closing the response disconnects
+    wait_for(
+        lambda: counter_total(httpx.get(door.removesuffix("/v1") + "/metrics").text, "epd_door_client_disconnects_total") > before,
+        60, "the door counting the disconnect",
+    )
+    spans = trace_spans(receiver, trace_id, lambda s: any(x.name == "GenerateService/Generate" for x in s))
+    router = next(s for s in spans if s.name == "GenerateService/Generate")
+    assert router.attributes.get("rpc.grpc.status_code") == 1, router.attributes  # CANCELLED
+    wait_pools_empty(stack, timeout_s=30)
+
+
+@pytest.mark.timeout(300)
+def test_one_trace_from_http_to_decode(door: str, receiver: OtlpReceiver) -> None:
+    trace_id = "%032x" % int.from_bytes(__import__("os").urandom(16))
+    payload = {"model": MODEL, "temperature": 0, "max_tokens": 4, "messages": [{"role": "user", "content": _openai_content("image")}]}
+    reply = httpx.post(f"{door}/chat/completions", json=payload, headers={"traceparent": f"00-{trace_id}-{'2' * 16}-01"}, timeout=120)
+    assert reply.status_code == 200
+    wanted = {"POST /v1/chat/completions", "GenerateService/Generate", "EncoderService/Encode", "PrefillService/Prefill", "DecodeService/Decode"}
+    spans = trace_spans(receiver, trace_id, lambda s: wanted <= {x.name for x in s})
+    door_span = next(s for s in spans if s.name == "POST /v1/chat/completions")
+    router = next(s for s in spans if s.name == "GenerateService/Generate")
+    assert door_span.parent_id == "2" * 16
+    assert router.trace_id == trace_id and router.parent_id  # under the door's client call
+    assert door_span.start_ns <= router.start_ns and router.end_ns <= door_span.end_ns
