@@ -314,7 +314,11 @@ class MediaFetcher:
                     location = response.headers.get("Location")
                     if not location:
                         raise MediaFetchError("unreachable", f"redirect {response.status} without a Location")
-                    url = _check_url(str(url.join(URL(location))), limits)
+                    try:
+                        target = str(url.join(URL(location)))
+                    except ValueError as exc:
+                        raise MediaFetchError("unreachable", f"redirect to a malformed Location: {exc}") from exc
+                    url = _check_url(target, limits)
                     continue
                 if response.status != 200:
                     raise MediaFetchError("unreachable", f"server answered HTTP {response.status} for {url}")

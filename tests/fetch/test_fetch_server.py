@@ -118,6 +118,14 @@ def test_redirects_are_followed_up_to_the_limit() -> None:
     assert isinstance(beyond, MediaFetchError) and beyond.kind == "unreachable" and "redirects" in beyond.message
 
 
+def test_a_redirect_to_a_malformed_or_refused_url_fails_cleanly() -> None:
+    async def scenario(server: MediaServer) -> list[Fetched | MediaFetchError]:
+        targets = ["http://[bad", "file:///etc/passwd", "data:image/png;base64,AAAA", "http://user:pw@example.com/"]
+        return [await _once(OPEN, server.url(f"/redirect?to={t}")) for t in targets]
+
+    assert [_kind(o) for o in _run(scenario)] == ["unreachable", "invalid", "invalid", "invalid"]
+
+
 def test_no_redirects_when_the_limit_is_zero() -> None:
     async def scenario(server: MediaServer) -> Fetched | MediaFetchError:
         return await _once(FetchLimits(allow_private=True, max_redirects=0), server.url("/hop/0"))
