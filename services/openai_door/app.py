@@ -94,6 +94,12 @@ def create_app(config: DoorConfig, caller: Caller, fetch: FetchClient, health: C
     async def api_error(request: fastapi.Request, exc: ApiError) -> JSONResponse:
         return _error_response(exc)
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: fastapi.Request, exc: Exception) -> JSONResponse:
+        # Details go to the log, not to the client (as the gRPC services answer INTERNAL).
+        _log.error("unexpected error", path=request.url.path, exc_info=exc)
+        return _error_response(ApiError(500, "internal error", code="internal_error"))
+
     @app.middleware("http")
     async def count(request: fastapi.Request, call_next: Callable[[fastapi.Request], Awaitable[Response]]) -> Response:
         response = await call_next(request)
