@@ -105,6 +105,17 @@ def test_the_schema_offers_each_role_only_settings_it_has() -> None:
         (lambda d: d.update(tls={"enabled": "yes"}), "tls.enabled: 'yes' is not of type 'boolean'"),
         (lambda d: d.pop("layout"), "'layout' is a required property"),
         (lambda d: d["roles"]["router"].update(memory="2GB"), "roles.router.memory: '2GB' does not match"),
+        (
+            lambda d: d["roles"].update(openai_door={"settings": {"max_running": 3}}),
+            "roles.openai_door.settings.max_running: not a setting this role takes here",
+        ),
+        (
+            lambda d: d["roles"].update(openai_door={"settings": {"router": "elsewhere:1"}}),
+            "roles.openai_door.settings.router: not a setting this role takes here",
+        ),
+        (lambda d: d["roles"].update(openai_door={"replica": 2}), "roles.openai_door.replica: unknown key"),
+        (lambda d: d["roles"].update(openai_door={"port": 0}), "roles.openai_door.port: 0 is less than the minimum"),
+        (lambda d: d["roles"].update(openai_doors={}), "roles.openai_doors: unknown key"),
     ],
 )
 def test_a_bad_description_names_the_file_and_the_key(change: Any, expected: str) -> None:
@@ -302,3 +313,44 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
         out, _ = up.communicate(timeout=60)
     assert up.returncode == 0, out
     assert "stopped: {" in out
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("layout", sorted(LAYOUT_ROLES))
+def test_the_door_is_optional_in_every_layout(layout: str, tmp_path: Path) -> None:
+    roles: dict[str, Any] = {r: {} for r in LAYOUT_ROLES[layout]}
+    without = parse_description(_minimal(layout=layout, roles=roles), Path("x.yaml"))
+    assert "openai_door" not in without.roles
+    plan = stack_spec(without, run_dir=tmp_path)
+    assert plan.spec.openai_door is False and "openai_door" not in plan.spec.extra_args
+    with_door = parse_description(_minimal(layout=layout, roles={**roles, "openai_door": {}}), Path("x.yaml"))
+    door = with_door.roles["openai_door"]
+    assert (door.replicas, door.port, door.cpu, door.memory, door.settings) == (1, 8000, "1", "2Gi", {})
+    spec = stack_spec(with_door, run_dir=tmp_path).spec
+    assert spec.openai_door is True
+    assert _parse_flags("openai_door", spec.extra_args["openai_door"]).grace_s == 10.0
+
+
+@pytest.mark.unit
+def test_the_door_settings_reach_its_flags(tmp_path: Path) -> None:
+    """Each door setting a description may give becomes a flag the door's own parser reads; the
+    router address and the model come from the launcher (Stack._start_door), not the flags."""
+    settings: dict[str, Any] = {
+        "served_model_name": "omni",
+        "default_temperature": 0.5,
+        "fetch_allow_private": True,
+        "max_body_mib": 8,
+        "fetch_max_mib": 4,
+        "fetch_timeout_s": 2.5,
+        "request_timeout_s": 30,
+    }
+    doc = _minimal(drain={"grace_s": 7})
+    doc["roles"]["openai_door"] = {"replicas": 2, "settings": settings}
+    plan = stack_spec(parse_description(doc, Path("x.yaml")), run_dir=tmp_path)
+    args = plan.spec.extra_args["openai_door"]
+    assert "--model" not in args and "--router" not in args
+    door = _parse_flags("openai_door", args)
+    for key, value in settings.items():
+        assert getattr(door, key) == value, key
+    assert door.grace_s == 7.0
+    assert plan.notes == ("roles.openai_door.replicas is 2: one openai_door runs on this host",)
