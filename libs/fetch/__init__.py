@@ -1,0 +1,23 @@
+"""Bounded, SSRF-safe fetching of media URLs named in a request (docs/media-fetch.md).
+
+`FetchClient` owns one `aiohttp.ClientSession` for the process; `FetchClient.for_request()` gives a
+`MediaFetcher` that memoises per request. Failures are `MediaFetchError` with a `kind` the HTTP door
+maps to a status."""
+
+from libs.fetch.media import (
+    FetchClient,
+    Fetched,
+    FetchLimits,
+    MediaFetcher,
+    MediaFetchError,
+    address_forbidden,
+)
+
+__all__ = [
+    "FetchClient",
+    "FetchLimits",
+    "Fetched",
+    "MediaFetchError",
+    "MediaFetcher",
+    "address_forbidden",
+]
