@@ -1,10 +1,10 @@
 """The declarative stack description (deploy/stacks/*.yaml, schema deploy/schema/stack.schema.json).
 
-One file says what a stack is: layout, roles and replicas, model, ports, transport, cache, TLS,
-drain. `load_description` validates it against the JSON Schema (a bad file fails with a
-`DescriptionError` naming the file and the offending key, e.g. `roles.encoder.replicas`), fills
-the schema's defaults and checks what a schema cannot (the roles a layout needs, autoscale
-bounds). The same `StackDescription` becomes a local `StackSpec` (`stack_spec`, what
+One file says what a stack is: layout, roles and replicas (and, in any layout, the OpenAI door),
+model, ports, transport, cache, TLS, drain. `load_description` validates it against the JSON
+Schema (a bad file fails with a `DescriptionError` naming the file and the offending key, e.g.
+`roles.encoder.replicas`), fills the schema's defaults and checks what a schema cannot (the roles
+a layout needs, autoscale bounds). The same `StackDescription` becomes a local `StackSpec` (`stack_spec`, what
 `epd up --config` runs) and Kubernetes manifests (`libs/launch/k8s.py`), so the two cannot drift.
 Settings reach a service as its own `EPD_*` settings (`role_settings`), never anything else.
 """

@@ -240,7 +240,8 @@ def test_a_description_is_immutable() -> None:
 def test_epd_up_runs_a_description(tmp_path: Path) -> None:
     """`epd up --config` on a real E+PD stack: the description's settings reach the services (the
     encoder runs without checksums and advertises none), two PD replicas run and the router pools
-    them, and a request is served."""
+    them, a request is served, and the description's OpenAI door runs in front of the router with
+    its own settings."""
     import json as _json
     import os
     import re
@@ -248,6 +249,7 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
     import subprocess
     import sys
     import time
+    import urllib.request
 
     import grpc
 
@@ -260,7 +262,12 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
         "name": "t",
         "layout": "e+pd",
         "model": {"path": str(model)},
-        "roles": {"router": {}, "encoder": {"settings": {"cached_max_running": 2}}, "pd": {"replicas": 2}},
+        "roles": {
+            "router": {},
+            "encoder": {"settings": {"cached_max_running": 2}},
+            "pd": {"replicas": 2},
+            "openai_door": {"settings": {"served_model_name": "omni-tiny"}},
+        },
         "transport": {"checksums": False, "pool_mib": 32},
         "drain": {"grace_s": 5},
     }
@@ -307,12 +314,20 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
             _json.loads(line) for line in (run_dir / "router.log").read_text().splitlines() if '"starting"' in line
         )
         assert all(pd is not None and pd.group(1) in str(router["settings"]["pd"]) for pd in pds), router["settings"]
+        # `epd up` writes the address file after the door is listening (Stack._start_door).
+        door = re.search(r"^openai_door listening on (\S+)$", (run_dir / "openai_door.log").read_text(), re.MULTILINE)
+        assert door is not None
+        with urllib.request.urlopen(f"http://{door.group(1)}/health", timeout=10) as health:
+            assert health.status == 200  # the router is SERVING
+        with urllib.request.urlopen(f"http://{door.group(1)}/v1/models", timeout=10) as models:
+            assert [m["id"] for m in _json.loads(models.read())["data"]] == ["omni-tiny"]
     finally:
         if up.poll() is None:
             os.kill(up.pid, signal.SIGINT)
         out, _ = up.communicate(timeout=60)
     assert up.returncode == 0, out
     assert "stopped: {" in out
+    assert re.search(r"^OpenAI-compatible API at http://\S+/v1", out, re.MULTILINE), out
 
 
 @pytest.mark.unit
