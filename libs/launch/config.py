@@ -1,10 +1,10 @@
 """The declarative stack description (deploy/stacks/*.yaml, schema deploy/schema/stack.schema.json).
 
-One file says what a stack is: layout, roles and replicas, model, ports, transport, cache, TLS,
-drain. `load_description` validates it against the JSON Schema (a bad file fails with a
-`DescriptionError` naming the file and the offending key, e.g. `roles.encoder.replicas`), fills
-the schema's defaults and checks what a schema cannot (the roles a layout needs, autoscale
-bounds). The same `StackDescription` becomes a local `StackSpec` (`stack_spec`, what
+One file says what a stack is: layout, roles and replicas (and, in any layout, the OpenAI door),
+model, ports, transport, cache, TLS, drain. `load_description` validates it against the JSON
+Schema (a bad file fails with a `DescriptionError` naming the file and the offending key, e.g.
+`roles.encoder.replicas`), fills the schema's defaults and checks what a schema cannot (the roles
+a layout needs, autoscale bounds). The same `StackDescription` becomes a local `StackSpec` (`stack_spec`, what
 `epd up --config` runs) and Kubernetes manifests (`libs/launch/k8s.py`), so the two cannot drift.
 Settings reach a service as its own `EPD_*` settings (`role_settings`), never anything else.
 """
@@ -31,14 +31,25 @@ LAYOUT_ROLES = {
     "e+pd": ("router", "encoder", "pd"),
     "e/p/d": ("router", "encoder", "prefill", "decode"),
 }
+# The OpenAI-compatible HTTP door (services/openai_door): optional in every layout, in front of the
+# router (or the colocated service).
+DOOR = "openai_door"
 # gRPC port of each role when the description gives none (Kubernetes; one role per pod).
-DEFAULT_PORTS = {"router": 50051, "colocated": 50051, "encoder": 50061, "prefill": 50071, "pd": 50071, "decode": 50081}
+DEFAULT_PORTS = {
+    "router": 50051,
+    "colocated": 50051,
+    "encoder": 50061,
+    "prefill": 50071,
+    "pd": 50071,
+    "decode": 50081,
+    DOOR: 8000,
+}
 MODEL_ROLES = ("encoder", "prefill", "decode", "pd", "colocated")
 # Roles the router keeps a pool of (--encoders, --prefill, --decode, --pd: every replica is a member).
 POOLED = ("encoder", "prefill", "decode", "pd")
 # `epd up` runs every replica of a pooled role on this host; of the stateless front-ends it runs one
 # (on one host a second router adds nothing, and nothing balances colocated replicas).
-LOCAL_ONE_OF = ("router", "colocated")
+LOCAL_ONE_OF = ("router", "colocated", DOOR)
 
 Value = str | int | float | bool
 
@@ -160,7 +171,9 @@ def _semantic_problems(doc: Mapping[str, Any]) -> list[str]:
     wanted = LAYOUT_ROLES[layout]
     problems = [f"roles.{r}: layout {layout} needs this role" for r in wanted if r not in roles]
     problems += [
-        f"roles.{r}: layout {layout} has no such role (it runs {', '.join(wanted)})" for r in roles if r not in wanted
+        f"roles.{r}: layout {layout} has no such role (it runs {', '.join(wanted)}, and optionally {DOOR})"
+        for r in roles
+        if r not in wanted and r != DOOR
     ]
     if doc.get("engine") == "vllm" and layout == "colocated":
         problems.append("engine: vllm serves the PD service (e+pd) or prefill and decode (e/p/d); layout is colocated")
@@ -175,6 +188,8 @@ def _semantic_problems(doc: Mapping[str, Any]) -> list[str]:
             problems.append(f"roles.{name}.autoscale: min_replicas {low} > max_replicas {scale['max_replicas']}")
     telemetry = doc.get("telemetry", {})
     for name, role in roles.items():
+        if name == DOOR:
+            continue  # it serves health and metrics on its HTTP port and binds no telemetry ports
         port = role.get("port", DEFAULT_PORTS[name])
         for other in ("metrics_port", "health_port"):
             if port == telemetry.get(other, schema()["properties"]["telemetry"]["properties"][other]["default"]):
@@ -259,6 +274,8 @@ def role_settings(desc: StackDescription, role: str) -> dict[str, Value]:
     if role == "router":
         values["layout"] = desc.layout
         values["discovery_refresh_s"] = desc["discovery"]["refresh_s"]
+    if role == DOOR:
+        values["model"] = desc["model"]["path"]  # the id /v1/models lists; the door reads no weights
     values |= desc.roles[role].settings
     return values
 
@@ -321,11 +338,13 @@ def stack_spec(desc: StackDescription, *, run_dir: Path, env: Mapping[str, str] 
         engine=desc["engine"],
         env=dict(env or {}),
         extra_args=extra_args,
+        openai_door=DOOR in desc.roles,
     )
     return LocalPlan(spec, tuple(notes))
 
 
 __all__ = [
+    "DOOR",
     "LAYOUT_ROLES",
     "DescriptionError",
     "LocalPlan",

@@ -17,7 +17,11 @@ holder as Deployments of their own. Choices (docs/deploy.md says why):
   terminating pod keeps serving for `drain.prestop_s` (preStop sleep) so routers drop it first,
   then drains for EPD_GRACE_S: the grace period covers both plus a margin for the process to exit;
 - NIXL over TCP on the pod interface (EPD_UCX_TLS=tcp, EPD_UCX_NET_DEVICES=eth0): pods on one node
-  are in different PID namespaces, where cross-memory attach does not work.
+  are in different PID namespaces, where cross-memory attach does not work;
+- the OpenAI door (roles.openai_door, `epd-openai-door`) is HTTP: its probes are HTTP GETs on its
+  own port (HTTPS with TLS: kubelet does not verify the certificate), it serves /metrics there too,
+  and it calls the router's (or the colocated service's) Service as a client, with its own
+  certificate and the clients' tokens as the router checks them.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from libs.launch.config import MODEL_ROLES, POOLED, Role, StackDescription, env_name, env_value, role_settings
+from libs.launch.config import DOOR, MODEL_ROLES, POOLED, Role, StackDescription, env_name, env_value, role_settings
 from libs.launch.process import ROOT
 
 PART_OF = "epd"
@@ -38,18 +42,25 @@ TLS_MOUNT = "/etc/epd/tls"
 TOKENS_MOUNT = "/etc/epd/tokens"
 # Seconds between the end of the drain and SIGKILL: the process closes its engine and transport.
 EXIT_MARGIN_S = 5
-MODULES = {role: f"services.{role}" for role in ("router", "encoder", "prefill", "decode", "pd", "colocated")}
+MODULES = {role: f"services.{role}" for role in ("router", "encoder", "prefill", "decode", "pd", "colocated", DOOR)}
+# Roles clients call: they get the bearer tokens secret with TLS, and a Service type of their own.
+PUBLIC = ("router", "colocated", DOOR)
 STORE_MASTER = "store-master"
 STORE_HOLDER = "store-holder"
 HEADER = "# Rendered by `epd deploy render` from {source}; edit the description and render again.\n"
 
 
+def component(role: str) -> str:
+    """The role as Kubernetes names it (DNS-1123: `openai_door` is `openai-door`)."""
+    return role.replace("_", "-")
+
+
 def name_of(role: str) -> str:
-    return f"epd-{role}"
+    return f"epd-{component(role)}"
 
 
 def labels(role: str, stack: str | None = None) -> dict[str, str]:
-    out = {"app.kubernetes.io/name": PART_OF, "app.kubernetes.io/component": role}
+    out = {"app.kubernetes.io/name": PART_OF, "app.kubernetes.io/component": component(role)}
     if stack is not None:
         out["app.kubernetes.io/instance"] = stack
     return out
@@ -72,10 +83,10 @@ def role_environment(desc: StackDescription, role: str) -> dict[str, str]:
     """The role's ConfigMap: EPD_* settings of that service only (EPD_HOST comes from the pod)."""
     telemetry = desc["telemetry"]
     values = dict(role_settings(desc, role))
+    values["port"] = desc.roles[role].port
+    if role != DOOR:  # the door serves health and metrics on its HTTP port
+        values |= {"health_port": telemetry["health_port"], "metrics_port": telemetry["metrics_port"]}
     values |= {
-        "port": desc.roles[role].port,
-        "health_port": telemetry["health_port"],
-        "metrics_port": telemetry["metrics_port"],
         "log_format": "json",
         "trace_exporter": telemetry["trace_exporter"],
         "otlp_endpoint": telemetry["otlp_endpoint"],
@@ -90,13 +101,16 @@ def role_environment(desc: StackDescription, role: str) -> dict[str, str]:
         for backend in ("prefill", "decode", "pd"):
             if backend in desc.roles:
                 values[backend] = f"dns:///{service_host(desc, backend)}:{desc.roles[backend].port}"
+    if role == DOOR:
+        front = "colocated" if desc.layout == "colocated" else "router"
+        values["router"] = f"{service_host(desc, front)}:{desc.roles[front].port}"
     if desc.tls:
         values |= {
             "tls_ca": f"{TLS_MOUNT}/ca.crt",
             "tls_cert": f"{TLS_MOUNT}/tls.crt",
             "tls_key": f"{TLS_MOUNT}/tls.key",
         }
-        if role in ("router", "colocated"):
+        if role in PUBLIC:
             values["auth_tokens_file"] = f"{TOKENS_MOUNT}/tokens"
     return {env_name(k): env_value(v) for k, v in values.items()}
 
@@ -114,6 +128,54 @@ def _grpc_probe(port: int, period_s: int, failures: int) -> dict[str, Any]:
     return {"grpc": {"port": port}, "periodSeconds": period_s, "failureThreshold": failures, "timeoutSeconds": 2}
 
 
+def _http_probe(desc: StackDescription, path: str, period_s: int, failures: int) -> dict[str, Any]:
+    get = {"path": path, "port": "http", "scheme": "HTTPS" if desc.tls else "HTTP"}
+    return {"httpGet": get, "periodSeconds": period_s, "failureThreshold": failures, "timeoutSeconds": 3}
+
+
+def _probes(desc: StackDescription, role: str) -> dict[str, Any]:
+    """Startup, readiness and liveness. gRPC services: all on the plaintext health port (loading a
+    model takes a while: the startup probe allows 5 minutes before liveness applies). The door:
+    readiness on /health, which is 200 only while the router is SERVING, so traffic goes to doors
+    that can serve it; startup and liveness on /health too would restart every door whenever the
+    router is down, so they check the door's own HTTP server (/metrics answers without the router)."""
+    if role == DOOR:
+        return {
+            "startupProbe": _http_probe(desc, "/metrics", 2, 30),
+            "readinessProbe": _http_probe(desc, "/health", 2, 1),
+            "livenessProbe": _http_probe(desc, "/metrics", 10, 6),
+        }
+    health = desc["telemetry"]["health_port"]
+    return {
+        "startupProbe": _grpc_probe(health, 2, 150),
+        "readinessProbe": _grpc_probe(health, 2, 1),
+        "livenessProbe": _grpc_probe(health, 10, 6),
+    }
+
+
+def _ports(desc: StackDescription, role: Role) -> list[dict[str, Any]]:
+    if role.name == DOOR:  # HTTP: the API, /health and /metrics on one port
+        return [{"name": "http", "containerPort": role.port, "protocol": "TCP"}]
+    telemetry = desc["telemetry"]
+    return [
+        {"name": "grpc", "containerPort": role.port, "protocol": "TCP"},
+        {"name": "health", "containerPort": telemetry["health_port"], "protocol": "TCP"},
+        {"name": "metrics", "containerPort": telemetry["metrics_port"], "protocol": "TCP"},
+    ]
+
+
+def _scrape(desc: StackDescription, role: Role) -> dict[str, str]:
+    """Prometheus scrape annotations: the metrics port, or the door's own port (over HTTPS with TLS)."""
+    if role.name == DOOR:
+        scrape = {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(role.port),
+            "prometheus.io/path": "/metrics",
+        }
+        return scrape | ({"prometheus.io/scheme": "https"} if desc.tls else {})
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(desc["telemetry"]["metrics_port"])}
+
+
 def _volumes(desc: StackDescription, role: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
@@ -121,7 +183,7 @@ def _volumes(desc: StackDescription, role: str) -> tuple[list[dict[str, Any]], l
         csi = {"driver": CSI_DRIVER, "readOnly": True, "volumeAttributes": _csi(desc, role)}
         volumes.append({"name": "tls", "csi": csi})
         mounts.append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
-        if role in ("router", "colocated"):
+        if role in PUBLIC:
             tokens = {"secretName": desc["tls"]["tokens_secret"], "defaultMode": 0o440}
             volumes.append({"name": "tokens", "secret": tokens})
             mounts.append({"name": "tokens", "mountPath": TOKENS_MOUNT, "readOnly": True})
@@ -162,17 +224,12 @@ def _container_security() -> dict[str, Any]:
 
 
 def _deployment(desc: StackDescription, role: Role) -> dict[str, Any]:
-    telemetry = desc["telemetry"]
     volumes, mounts = _volumes(desc, role.name)
     container: dict[str, Any] = {
-        "name": role.name,
+        "name": component(role.name),
         "image": desc["image"],
         "command": ["python", "-m", MODULES[role.name]],
-        "ports": [
-            {"name": "grpc", "containerPort": role.port, "protocol": "TCP"},
-            {"name": "health", "containerPort": telemetry["health_port"], "protocol": "TCP"},
-            {"name": "metrics", "containerPort": telemetry["metrics_port"], "protocol": "TCP"},
-        ],
+        "ports": _ports(desc, role),
         "envFrom": [{"configMapRef": {"name": name_of(role.name)}}],
         # Bind the pod's own address: it goes into tensor handles and must be dialable by peers.
         "env": [{"name": env_name("host"), "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
@@ -180,10 +237,7 @@ def _deployment(desc: StackDescription, role: Role) -> dict[str, Any]:
             "requests": {"cpu": role.cpu, "memory": role.memory},
             "limits": {"memory": role.memory},
         },
-        # Loading a model takes a while: the startup probe allows 5 minutes before liveness applies.
-        "startupProbe": _grpc_probe(telemetry["health_port"], 2, 150),
-        "readinessProbe": _grpc_probe(telemetry["health_port"], 2, 1),
-        "livenessProbe": _grpc_probe(telemetry["health_port"], 10, 6),
+        **_probes(desc, role.name),
         "lifecycle": {"preStop": {"sleep": {"seconds": desc["drain"]["prestop_s"]}}},
         "securityContext": _container_security(),
     }
@@ -204,10 +258,7 @@ def _deployment(desc: StackDescription, role: Role) -> dict[str, Any]:
         "template": {
             "metadata": {
                 "labels": labels(role.name, desc.name),
-                "annotations": {
-                    "prometheus.io/scrape": "true",
-                    "prometheus.io/port": str(telemetry["metrics_port"]),
-                },
+                "annotations": _scrape(desc, role),
             },
             "spec": pod,
         },
@@ -223,13 +274,16 @@ def _deployment(desc: StackDescription, role: Role) -> dict[str, Any]:
 
 
 def _service(desc: StackDescription, role: Role) -> dict[str, Any]:
+    port = "http" if role.name == DOOR else "grpc"
     spec: dict[str, Any] = {
         "selector": labels(role.name),
-        "ports": [{"name": "grpc", "port": role.port, "targetPort": "grpc", "protocol": "TCP"}],
+        "ports": [{"name": port, "port": role.port, "targetPort": port, "protocol": "TCP"}],
     }
     if role.name in POOLED:
         # Headless: one A record per ready pod, what the router's dns:/// discovery reads.
         spec |= {"clusterIP": "None", "publishNotReadyAddresses": False}
+    elif role.name == DOOR:
+        spec["type"] = desc["kubernetes"]["openai_door_service_type"]
     elif role.name in ("router", "colocated"):
         spec["type"] = desc["kubernetes"]["router_service_type"]
     return {
@@ -425,7 +479,7 @@ def base_files() -> dict[str, str]:
 
 def overlay_files(desc: StackDescription, source: str) -> dict[str, str]:
     """deploy/k8s/overlays/<name>: one file per role (and the store), plus the kustomization."""
-    files = {f"{role.name}.yaml": dump(role_documents(desc, role), source) for role in desc.roles.values()}
+    files = {f"{component(role.name)}.yaml": dump(role_documents(desc, role), source) for role in desc.roles.values()}
     if desc.store_enabled:
         files["store.yaml"] = dump(_store(desc), source)
     kustomization = {

@@ -105,6 +105,17 @@ def test_the_schema_offers_each_role_only_settings_it_has() -> None:
         (lambda d: d.update(tls={"enabled": "yes"}), "tls.enabled: 'yes' is not of type 'boolean'"),
         (lambda d: d.pop("layout"), "'layout' is a required property"),
         (lambda d: d["roles"]["router"].update(memory="2GB"), "roles.router.memory: '2GB' does not match"),
+        (
+            lambda d: d["roles"].update(openai_door={"settings": {"max_running": 3}}),
+            "roles.openai_door.settings.max_running: not a setting this role takes here",
+        ),
+        (
+            lambda d: d["roles"].update(openai_door={"settings": {"router": "elsewhere:1"}}),
+            "roles.openai_door.settings.router: not a setting this role takes here",
+        ),
+        (lambda d: d["roles"].update(openai_door={"replica": 2}), "roles.openai_door.replica: unknown key"),
+        (lambda d: d["roles"].update(openai_door={"port": 0}), "roles.openai_door.port: 0 is less than the minimum"),
+        (lambda d: d["roles"].update(openai_doors={}), "roles.openai_doors: unknown key"),
     ],
 )
 def test_a_bad_description_names_the_file_and_the_key(change: Any, expected: str) -> None:
@@ -229,7 +240,8 @@ def test_a_description_is_immutable() -> None:
 def test_epd_up_runs_a_description(tmp_path: Path) -> None:
     """`epd up --config` on a real E+PD stack: the description's settings reach the services (the
     encoder runs without checksums and advertises none), two PD replicas run and the router pools
-    them, and a request is served."""
+    them, a request is served, and the description's OpenAI door runs in front of the router with
+    its own settings."""
     import json as _json
     import os
     import re
@@ -237,6 +249,7 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
     import subprocess
     import sys
     import time
+    import urllib.request
 
     import grpc
 
@@ -249,7 +262,12 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
         "name": "t",
         "layout": "e+pd",
         "model": {"path": str(model)},
-        "roles": {"router": {}, "encoder": {"settings": {"cached_max_running": 2}}, "pd": {"replicas": 2}},
+        "roles": {
+            "router": {},
+            "encoder": {"settings": {"cached_max_running": 2}},
+            "pd": {"replicas": 2},
+            "openai_door": {"settings": {"served_model_name": "omni-tiny"}},
+        },
         "transport": {"checksums": False, "pool_mib": 32},
         "drain": {"grace_s": 5},
     }
@@ -296,9 +314,58 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
             _json.loads(line) for line in (run_dir / "router.log").read_text().splitlines() if '"starting"' in line
         )
         assert all(pd is not None and pd.group(1) in str(router["settings"]["pd"]) for pd in pds), router["settings"]
+        # `epd up` writes the address file after the door is listening (Stack._start_door).
+        door = re.search(r"^openai_door listening on (\S+)$", (run_dir / "openai_door.log").read_text(), re.MULTILINE)
+        assert door is not None
+        with urllib.request.urlopen(f"http://{door.group(1)}/health", timeout=10) as health:
+            assert health.status == 200  # the router is SERVING
+        with urllib.request.urlopen(f"http://{door.group(1)}/v1/models", timeout=10) as models:
+            assert [m["id"] for m in _json.loads(models.read())["data"]] == ["omni-tiny"]
     finally:
         if up.poll() is None:
             os.kill(up.pid, signal.SIGINT)
         out, _ = up.communicate(timeout=60)
     assert up.returncode == 0, out
     assert "stopped: {" in out
+    assert re.search(r"^OpenAI-compatible API at http://\S+/v1", out, re.MULTILINE), out
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("layout", sorted(LAYOUT_ROLES))
+def test_the_door_is_optional_in_every_layout(layout: str, tmp_path: Path) -> None:
+    roles: dict[str, Any] = {r: {} for r in LAYOUT_ROLES[layout]}
+    without = parse_description(_minimal(layout=layout, roles=roles), Path("x.yaml"))
+    assert "openai_door" not in without.roles
+    plan = stack_spec(without, run_dir=tmp_path)
+    assert plan.spec.openai_door is False and "openai_door" not in plan.spec.extra_args
+    with_door = parse_description(_minimal(layout=layout, roles={**roles, "openai_door": {}}), Path("x.yaml"))
+    door = with_door.roles["openai_door"]
+    assert (door.replicas, door.port, door.cpu, door.memory, door.settings) == (1, 8000, "1", "2Gi", {})
+    spec = stack_spec(with_door, run_dir=tmp_path).spec
+    assert spec.openai_door is True
+    assert _parse_flags("openai_door", spec.extra_args["openai_door"]).grace_s == 10.0
+
+
+@pytest.mark.unit
+def test_the_door_settings_reach_its_flags(tmp_path: Path) -> None:
+    """Each door setting a description may give becomes a flag the door's own parser reads; the
+    router address and the model come from the launcher (Stack._start_door), not the flags."""
+    settings: dict[str, Any] = {
+        "served_model_name": "omni",
+        "default_temperature": 0.5,
+        "fetch_allow_private": True,
+        "max_body_mib": 8,
+        "fetch_max_mib": 4,
+        "fetch_timeout_s": 2.5,
+        "request_timeout_s": 30,
+    }
+    doc = _minimal(drain={"grace_s": 7})
+    doc["roles"]["openai_door"] = {"replicas": 2, "settings": settings}
+    plan = stack_spec(parse_description(doc, Path("x.yaml")), run_dir=tmp_path)
+    args = plan.spec.extra_args["openai_door"]
+    assert "--model" not in args and "--router" not in args
+    door = _parse_flags("openai_door", args)
+    for key, value in settings.items():
+        assert getattr(door, key) == value, key
+    assert door.grace_s == 7.0
+    assert plan.notes == ("roles.openai_door.replicas is 2: one openai_door runs on this host",)

@@ -133,6 +133,8 @@ def test_manifests_agree_with_the_services_settings(description: Path) -> None:
     configs = _by_kind(docs, "ConfigMap")
     namespace = desc["kubernetes"]["namespace"]
     for role in desc.roles:
+        if role == "openai_door":
+            continue  # HTTP, not gRPC: test_the_door_* below
         name = f"epd-{role}"
         settings = _settings(role, configs[name]["data"])
         pod = deployments[name]["spec"]["template"]["spec"]
@@ -227,3 +229,98 @@ def test_render_writes_one_overlay_per_description(tmp_path: Path) -> None:
     files = render(descs, tmp_path)
     overlays = {p.parent.name for p in files if p.parent.parent.name == "overlays"}
     assert overlays == {d.name for d in descs}
+
+
+def _door(desc_docs: list[dict[str, Any]]) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The door's parsed settings (its own loader), pod spec, container and Service spec."""
+    config = _by_kind(desc_docs, "ConfigMap")["epd-openai-door"]["data"]
+    settings = _settings("openai_door", config)
+    pod = _by_kind(desc_docs, "Deployment")["epd-openai-door"]["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    return settings, pod, container, _by_kind(desc_docs, "Service")["epd-openai-door"]["spec"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("description", DESCRIPTIONS, ids=lambda p: p.stem)
+def test_the_door_manifests_agree_with_its_settings(description: Path) -> None:
+    """The door's Deployment and Service: HTTP on the role's port, probes on that port, the router's
+    (or colocated service's) Service as --router, the model path as --model, its own settings."""
+    desc = load_description(description)
+    overlay = K8S / "overlays" / desc.name
+    if "openai_door" not in desc.roles:
+        assert not (overlay / "openai-door.yaml").exists()
+        return
+    docs = list(documents((overlay / "openai-door.yaml").read_text()))
+    settings, pod, container, service = _door(docs)
+    role = desc.roles["openai_door"]
+    front = "colocated" if desc.layout == "colocated" else "router"
+    namespace = desc["kubernetes"]["namespace"]
+    assert settings.router == f"epd-{front}.{namespace}.svc.cluster.local:{desc.roles[front].port}"
+    assert str(settings.model) == desc["model"]["path"]
+    assert settings.port == role.port and settings.host == "10.1.2.3"
+    for key, value in role.settings.items():
+        assert getattr(settings, key) == value, key
+    assert container["command"] == ["python", "-m", "services.openai_door"]
+    assert container["ports"] == [{"name": "http", "containerPort": role.port, "protocol": "TCP"}]
+    assert container["resources"]["requests"] == {"cpu": role.cpu, "memory": role.memory}
+    # Readiness follows the router (/health: 503 unless it is SERVING); startup and liveness only
+    # the door's own server, so a router outage does not restart every door.
+    paths = {
+        probe: container[probe]["httpGet"]["path"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")
+    }
+    assert paths == {"startupProbe": "/metrics", "readinessProbe": "/health", "livenessProbe": "/metrics"}
+    for probe in paths:
+        assert container[probe]["httpGet"]["port"] == "http" and container[probe]["httpGet"]["scheme"] == "HTTP"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(role.port)
+    assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+    prestop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= prestop + settings.grace_s + EXIT_MARGIN_S
+    assert service["ports"] == [{"name": "http", "port": role.port, "targetPort": "http", "protocol": "TCP"}]
+    assert service["type"] == desc["kubernetes"]["openai_door_service_type"]
+    assert service["selector"].items() <= pod["metadata"]["labels"].items()
+    # Nothing the door does not bind: no gRPC health or separate metrics port.
+    assert settings.health_port == 0 and settings.metrics_port == 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("layout", ["colocated", "e+pd"])
+def test_the_door_renders_in_every_layout_with_tls(layout: str) -> None:
+    """With TLS the door gets its certificate (CN epd-openai-door), the clients' token secret and
+    HTTPS probes and scrape; in front of a colocated service it calls that service's Service."""
+    roles: dict[str, Any] = {"colocated": {}} if layout == "colocated" else {"router": {}, "encoder": {}, "pd": {}}
+    roles["openai_door"] = {"port": 8443, "settings": {"fetch_allow_private": True, "max_body_mib": 8}}
+    doc = {
+        "version": 1,
+        "name": "door",
+        "layout": layout,
+        "roles": roles,
+        "tls": {"enabled": True},
+        "kubernetes": {"openai_door_service_type": "LoadBalancer"},
+    }
+    desc = parse_description(doc, Path("door.yaml"))
+    files = overlay_files(desc, "door.yaml")
+    assert "openai-door.yaml" in yaml_resources(files["kustomization.yaml"])
+    docs = list(documents(files["openai-door.yaml"]))
+    for d in docs:
+        _validate(d)
+    settings, pod, container, service = _door(docs)
+    front = "colocated" if layout == "colocated" else "router"
+    assert settings.router == f"epd-{front}.epd.svc.cluster.local:{desc.roles[front].port}"
+    assert (settings.fetch_allow_private, settings.max_body_mib, settings.port) == (True, 8, 8443)
+    assert str(settings.tls_cert) == "/etc/epd/tls/tls.crt" and str(settings.tls_ca) == "/etc/epd/tls/ca.crt"
+    assert str(settings.auth_tokens_file) == "/etc/epd/tokens/tokens"
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert set(volumes) == {"tls", "tokens"}  # no model volume: the door reads no weights
+    assert volumes["tls"]["csi"]["volumeAttributes"]["csi.cert-manager.io/common-name"] == "epd-openai-door"
+    assert volumes["tokens"]["secret"]["secretName"] == desc["tls"]["tokens_secret"]
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/etc/epd/tls", "/etc/epd/tokens"}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS"  # kubelet does not verify the certificate
+    assert pod["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
+    assert service["type"] == "LoadBalancer"
+
+
+def yaml_resources(text: str) -> list[str]:
+    (kustomization,) = documents(text)
+    resources: list[str] = kustomization["resources"]
+    return resources
