@@ -69,6 +69,7 @@ class GenerationResult:
     total_s: float = 0.0
     retries: int = 0  # calls that failed retryably before any token, then retried
     retried_codes: list[str] = field(default_factory=list)  # the status code of each retried call
+    logprobs: list[generation_pb2.TokenLogprobs] = field(default_factory=list)  # when the sampling asked
 
     @property
     def inter_token_s(self) -> float:
@@ -108,6 +109,7 @@ async def generate(
                     result.ttft_s = time.perf_counter() - started
                 result.request_id = response.request_id
                 result.token_ids.extend(response.chunk.token_ids)
+                result.logprobs.extend(response.chunk.logprobs)
                 result.text += response.chunk.text
                 if on_text and response.chunk.text:
                     on_text(response.chunk.text)

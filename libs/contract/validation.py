@@ -72,6 +72,7 @@ class Limits:
     max_kv_block_groups: int = 64
     max_kv_blocks: int = 1 << 20  # per group
     max_prompt_tokens: int = 1 << 20  # of an engine prompt (before placeholder expansion)
+    max_logprobs: int = 20  # alternatives per generated token (vLLM's default max_logprobs)
 
 
 DEFAULT_LIMITS = Limits()
@@ -397,6 +398,50 @@ def validate_sampling(sampling: sampling_pb2.SamplingParams, path: str, limits: 
     for i, token in enumerate(sampling.stop_token_ids):
         if token < 0:
             raise _fail(f"{path}.stop_token_ids[{i}]", f"must be >= 0, got {token}")
+    # Since 1.6, with vLLM's ranges (vllm.SamplingParams._verify_args).
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, name)
+        if not (math.isfinite(value) and -2 <= value <= 2):
+            raise _fail(f"{path}.{name}", f"must be in [-2, 2], got {value}")
+    if sampling.HasField("repetition_penalty") and not (
+        math.isfinite(sampling.repetition_penalty) and 0 < sampling.repetition_penalty <= MAX_REPETITION_PENALTY
+    ):
+        raise _fail(
+            f"{path}.repetition_penalty",
+            f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {sampling.repetition_penalty}",
+        )
+    ceiling = sampling.max_tokens or limits.max_tokens
+    if not 0 <= sampling.min_tokens <= ceiling:
+        raise _fail(f"{path}.min_tokens", f"must be in [0, {ceiling}] (at most max_tokens), got {sampling.min_tokens}")
+    if sampling.HasField("logprobs") and not 0 <= sampling.logprobs <= limits.max_logprobs:
+        raise _fail(f"{path}.logprobs", f"must be in [0, {limits.max_logprobs}], got {sampling.logprobs}")
+
+
+# Beyond this a repetition penalty only zeroes the seen tokens' probabilities; bounded so a typo
+# (100 for 1.00) is refused rather than served.
+MAX_REPETITION_PENALTY = 10.0
+
+
+def uses_since_1_6(sampling: sampling_pb2.SamplingParams) -> str | None:
+    """The first contract-1.6 sampling field `sampling` sets, or None: a peer speaking an older
+    minor would drop it silently (unknown fields are ignored), so the router refuses to send it."""
+    for name in SAMPLING_FIELDS_SINCE_1_6:
+        if name in ("repetition_penalty", "logprobs"):
+            if sampling.HasField(name):
+                return name
+        elif getattr(sampling, name):
+            return name
+    return None
+
+
+SAMPLING_FIELDS_SINCE_1_6 = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "logprobs",
+)
 
 
 MAX_PRIORITY = 100
@@ -496,6 +541,14 @@ def validate_decode_state(state: prefill_pb2.DecodeState, path: str, limits: Lim
         raise _fail(f"{path}.prompt_tokens", f"must be >= 1, got {state.prompt_tokens}")
     if state.HasField("engine_prompt"):
         validate_engine_prompt(state.engine_prompt, f"{path}.engine_prompt", limits)
+    if state.prompt_token_ids and len(state.prompt_token_ids) != state.prompt_tokens:
+        raise _fail(
+            f"{path}.prompt_token_ids",
+            f"has {len(state.prompt_token_ids)} ids; prompt_tokens is {state.prompt_tokens}",
+        )
+    for i, token in enumerate(state.prompt_token_ids):
+        if token < 0:
+            raise _fail(f"{path}.prompt_token_ids[{i}]", f"must be >= 0, got {token}")
 
 
 # --- requests --------------------------------------------------------------------------------

@@ -56,6 +56,13 @@ class DecodeRunner:
         check_kv(self.runtime, kv)
         if kv.layout.num_tokens != state.prompt_tokens + state.generated_tokens - 1:
             raise InvalidRequestError("KV length does not match the decode state", field="decode_state")
+        if state.prompt_token_ids and len(state.prompt_token_ids) != state.prompt_tokens:
+            raise InvalidRequestError("prompt_token_ids do not match prompt_tokens", field="decode_state.prompt_token_ids")
+        if sampling.repetition_penalty != 1 and not state.prompt_token_ids:
+            raise InvalidRequestError(
+                "the repetition penalty needs the prompt's token ids (a prefill speaking contract 1.6 sends them)",
+                field="decode_state.prompt_token_ids",
+            )
         sequence = Sequence(
             self.runtime,
             sampling,
@@ -64,6 +71,7 @@ class DecodeRunner:
             generated_text=state.generated_text,
             last_token_id=state.next_input_token_id,
             prompt_tokens=state.prompt_tokens,
+            prompt_token_ids=state.prompt_token_ids,
         )
         self._unbatch()
         self._active.append(

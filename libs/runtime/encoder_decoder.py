@@ -59,7 +59,11 @@ class EncoderDecoderPrefill:
         self.item = encoder_states(runtime, messages)
         self.prompt_ids = runtime.adapter.decoder_prompt(sampling)
         self.sequence = Sequence(
-            runtime, sampling, default_max_tokens=default_max_tokens, prompt_tokens=len(self.prompt_ids)
+            runtime,
+            sampling,
+            default_max_tokens=default_max_tokens,
+            prompt_tokens=len(self.prompt_ids),
+            prompt_token_ids=self.prompt_ids,
         )
         self.cache = runtime.adapter.new_cache()
         self.logits: torch.Tensor | None = None
@@ -92,5 +96,6 @@ class EncoderDecoderPrefill:
             generated_tokens=self.sequence.generated,
             generated_text=self.sequence.text,
             prompt_tokens=len(self.prompt_ids),
+            prompt_token_ids=tuple(self.prompt_ids) if self.sequence.sampling.repetition_penalty != 1 else (),
         )
         return PrefillResult(chunk, kv, state, row.clone() if return_logits else None)

@@ -93,6 +93,7 @@ class PrefillTask:
         self.runner = runner
         self.sequence = Sequence(runner.runtime, sampling, default_max_tokens=runner.default_max_tokens)
         self.prompt = runner.build(messages)
+        self.sequence.set_prompt(self.prompt.input_ids)
         with torch.inference_mode():
             self.embeds, self.positions, self.rope_delta, self.extras = runner.inputs(self.prompt)
         self.cache = DynamicCache()
@@ -133,5 +134,7 @@ class PrefillTask:
             generated_tokens=self.sequence.generated,
             generated_text=self.sequence.text,
             prompt_tokens=len(self.prompt.input_ids),
+            # Decode's repetition penalty looks at the prompt's tokens; sent only then.
+            prompt_token_ids=tuple(self.prompt.input_ids) if self.sequence.sampling.repetition_penalty != 1 else (),
         )
         return PrefillResult(chunk, kv, state, row.clone() if return_logits else None)

@@ -34,6 +34,9 @@ class TextStream:
             self.base = ""
         self.text = generated_text
         self.released = len(generated_text) - held_suffix(generated_text, stops)
+        # A stop sequence must end past this text offset; None: none is looked for yet (vLLM looks
+        # for them only once more than min_tokens tokens were generated, in the text after those).
+        self.match_from: int | None = 0
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True)) if ids else ""
@@ -47,7 +50,10 @@ class TextStream:
         new = decoded[len(self.base) :] if decoded.startswith(self.base) else decoded
         self.text = self.prior_text + new
         search_from = max(0, len(self.prior_text) - max((len(s) for s in self.stops), default=0))
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+        hits = []
+        if self.match_from is not None:
+            starts = ((s, max(search_from, self.match_from - len(s) + 1)) for s in self.stops)
+            hits = [i for i in (self.text.find(s, start) for s, start in starts) if i >= 0]
         if hits:
             end = min(hits)
             out = self.text[self.released : end]

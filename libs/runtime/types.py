@@ -174,6 +174,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     # Speech models with timestamp tokens (Whisper): predict them (generate(return_timestamps=True)).
     timestamps: bool = False
+    # Since contract 1.6, with vLLM's semantics (vllm/model_executor/layers/utils.py apply_penalties).
+    presence_penalty: float = 0.0  # subtracted once from each already generated token's logit
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # over prompt + generated tokens; 1 is off
+    min_tokens: int = 0  # EOS and stop_token_ids suppressed (and stop strings unmatched) until then
+    ignore_eos: bool = False  # EOS tokens do not end generation
+    logprobs: int | None = None  # None: none; k: the chosen token's plus the k most likely
 
 
 class FinishReason(enum.Enum):
@@ -182,11 +189,25 @@ class FinishReason(enum.Enum):
     STOP_SEQUENCE = "stop_sequence"
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float  # raw model distribution (log-softmax of the logits), nats
+    token: str  # the token decoded alone
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    chosen: TokenLogprob
+    top: tuple[TokenLogprob, ...]  # the k most likely, descending
+
+
 @dataclass
 class TokenChunk:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the sampling asks for them
 
 
 @dataclass(frozen=True)
@@ -220,6 +241,8 @@ class DecodeState:
     generated_tokens: int
     generated_text: str
     prompt_tokens: int
+    # The prompt's token ids (placeholders expanded), for the repetition penalty; () when not needed.
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

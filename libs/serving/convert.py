@@ -165,12 +165,32 @@ def sampling_to_engine(params: sampling_pb2.SamplingParams) -> eng.SamplingParam
         stop=tuple(params.stop),
         stop_token_ids=tuple(params.stop_token_ids),
         timestamps=params.timestamps,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
+        min_tokens=params.min_tokens,
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
     )
+
+
+def _logprob_to_wire(entry: eng.TokenLogprob) -> generation_pb2.TokenLogprob:
+    return generation_pb2.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, token=entry.token)
+
+
+def logprobs_to_wire(entries: Sequence[eng.TokenLogprobs]) -> list[generation_pb2.TokenLogprobs]:
+    return [
+        generation_pb2.TokenLogprobs(chosen=_logprob_to_wire(e.chosen), top=[_logprob_to_wire(t) for t in e.top])
+        for e in entries
+    ]
 
 
 def chunk_to_wire(chunk: eng.TokenChunk) -> generation_pb2.TokenChunk:
     return generation_pb2.TokenChunk(
-        token_ids=chunk.token_ids, text=chunk.text, finish_reason=_FINISH_TO_WIRE[chunk.finish_reason]
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        finish_reason=_FINISH_TO_WIRE[chunk.finish_reason],
+        logprobs=logprobs_to_wire(chunk.logprobs or ()),
     )
 
 
@@ -203,6 +223,7 @@ def decode_state_to_wire(state: eng.DecodeState) -> prefill_pb2.DecodeState:
         generated_tokens=state.generated_tokens,
         generated_text=state.generated_text,
         prompt_tokens=state.prompt_tokens,
+        prompt_token_ids=state.prompt_token_ids,
     )
 
 
@@ -213,6 +234,7 @@ def decode_state_to_engine(state: prefill_pb2.DecodeState) -> eng.DecodeState:
         generated_tokens=state.generated_tokens,
         generated_text=state.generated_text,
         prompt_tokens=state.prompt_tokens,
+        prompt_token_ids=tuple(state.prompt_token_ids),
     )
 
 

@@ -9,7 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from libs.contract.epd.v1 import service_info_pb2
+from libs.contract import validation
+from libs.contract.epd.v1 import sampling_pb2, service_info_pb2
+from libs.contract.errors import InvalidArgument
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from services.router.pool import MemberPool
 
@@ -42,6 +44,10 @@ class Checks(Protocol):
         """The (checked) encoder's cache, as advertised in its ServiceInfo; None when it keeps none."""
         ...
 
+    def contract_minor(self, address: str) -> int | None:
+        """The contract minor the (checked) peer speaks (its ServiceInfo); None when not read yet."""
+        ...
+
 
 @dataclass
 class Backends:
@@ -59,7 +65,18 @@ class Backends:
         if self.prefill_decode is None and (self.prefill is None or self.decode is None):
             raise ValueError("need prefill and decode stubs (E/P/D) or a prefill-decode stub (E+PD)")
 
-    def priority_for(self, address: str, priority: int) -> int:
+    def check_sampling(self, address: str, stage: str, sampling: sampling_pb2.SamplingParams) -> None:
+        """Refuse a request whose sampling sets a field the (checked) peer's contract minor does
+        not have: it would parse it as an unknown field and silently ignore it."""
+        field = validation.uses_since_1_6(sampling)
+        minor = self.checks.contract_minor(address)
+        if field is not None and minor is not None and minor < 6:
+            raise InvalidArgument(
+                f"sampling.{field}",
+                f"needs contract 1.6; the {stage} service at {address} speaks 1.{minor} and would ignore it",
+            )
+
+        def priority_for(self, address: str, priority: int) -> int:
         """The request's priority for a peer that honors it (contract 1.1), else the default."""
         return priority if self.checks.honors(address, ADMISSION_PRIORITY) else 0
 

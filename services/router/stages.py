@@ -119,6 +119,7 @@ class StageClients:
         span = start_phase("epd.prefill_decode", **{ATTRIBUTION: "rpc"})
 
         async def on(address: str) -> AsyncGenerator[prefill_decode_pb2.PrefillDecodeResponse, None]:
+            b.check_sampling(address, "prefill-decode", request.sampling)
             pd_request.priority = b.priority_for(address, request.priority)
             with calls_under(span):
                 call = stub(address).PrefillDecode(
@@ -182,6 +183,7 @@ class StageClients:
 
                 async def on(address: str) -> tuple[prefill_pb2.PrefillResponse, str]:
                     span.set_attribute("epd.prefill", address)
+                    b.check_sampling(address, "prefill", request.sampling)
                     prefill_request.priority = b.priority_for(address, request.priority)
                     response = await stub(address).Prefill(
                         prefill_request, timeout=remaining(deadline), wait_for_ready=members.wait_for_ready
@@ -218,6 +220,7 @@ class StageClients:
 
         async def on(address: str) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
             span.set_attribute("epd.decode", address)
+            b.check_sampling(address, "decode", request.sampling)
             decode_request.priority = b.priority_for(address, request.priority)
             with calls_under(span):
                 call = stub(address).Decode(

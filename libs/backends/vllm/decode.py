@@ -249,8 +249,10 @@ class VllmDecode(DecodeBackend):
                         "are gone: released, expired, or the prefill engine restarted)",
                         reason=Reason.KV_GONE,
                     )
-                chunk, finished = runtime.chunk(out)
+                chunk, finished = runtime.chunk(out, sampling.logprobs)
                 token_ids, text = skip_first(list(chunk.token_ids), chunk.text)
+                if chunk.logprobs:  # one per token: drop the first token's with it
+                    del chunk.logprobs[: len(chunk.token_ids) - len(token_ids)]
                 del chunk.token_ids[:]
                 chunk.token_ids.extend(token_ids)
                 chunk.text = text

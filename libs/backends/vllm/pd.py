@@ -114,7 +114,7 @@ class VllmPrefillDecode(PrefillDecodeBackend):
             span = start_phase("decode.generate", **{"epd.stage": "decode", "epd.engine": "vllm"})
             out: Any = first
             while True:
-                chunk, finished = runtime.chunk(out)
+                chunk, finished = runtime.chunk(out, sampling.logprobs)
                 generated += len(chunk.token_ids)
                 usage = None
                 if finished:

@@ -206,7 +206,7 @@ class VllmPrefill(PrefillBackend):
     def _response(
         self, request: prefill_pb2.PrefillRequest, prompt_ids: list[int], sampling: eng.SamplingParams, out: Any
     ) -> prefill_pb2.PrefillResponse:
-        chunk, _ = runtime.chunk(out)
+        chunk, _ = runtime.chunk(out, sampling.logprobs)
         ended = out.outputs[0].finish_reason == "stop"  # EOS, a stop token id or a stop sequence
         prompt_tokens = len(out.prompt_token_ids or ())
         state = prefill_pb2.DecodeState(

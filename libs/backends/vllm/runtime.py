@@ -154,21 +154,47 @@ def sampling_params(
         extra["ec_transfer_params"] = {"epd_items": {uuid: item.to_dict() for uuid, item in items.items()}}
     if kv_transfer_params is not None:
         extra["kv_transfer_params"] = kv_transfer_params
+    cap = max_tokens or params.max_tokens or default_max_tokens
     return SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
         seed=params.seed if seed is None else seed,
-        max_tokens=max_tokens or params.max_tokens or default_max_tokens,
+        max_tokens=cap,
         stop=list(params.stop) or None,
         stop_token_ids=list(params.stop_token_ids) or None,
+        # Contract 1.6: vLLM's own knobs, the same names and meaning. min_tokens is clamped to
+        # this call's cap (prefill's 1, or a server default below it): vLLM refuses more.
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_tokens=min(params.min_tokens, cap),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
         output_kind=RequestOutputKind.DELTA,
         extra_args=extra or None,
     )
 
 
-def chunk(out: Any) -> tuple[generation_pb2.TokenChunk, bool]:
-    """One `RequestOutput` (delta) as a TokenChunk; whether it is the last."""
+def logprobs_of(completion: Any, k: int | None) -> list[eng.TokenLogprobs] | None:
+    """vLLM's per-token logprobs (a dict per position: the sampled token and the top k, by rank) as
+    the contract's; None when the request asked for none."""
+    if k is None or completion.logprobs is None:
+        return None
+    out = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs, strict=False):
+
+        def entry(tid: int, logprob: Any) -> eng.TokenLogprob:
+            return eng.TokenLogprob(tid, float(logprob.logprob), logprob.decoded_token or "")
+
+        ranked = sorted((lp.rank, tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= k)
+        out.append(eng.TokenLogprobs(entry(token_id, position[token_id]), tuple(entry(t, lp) for _, t, lp in ranked)))
+    return out
+
+
+def chunk(out: Any, logprobs: int | None = None) -> tuple[generation_pb2.TokenChunk, bool]:
+    """One `RequestOutput` (delta) as a TokenChunk, with the `logprobs` most likely alternatives
+    per token when the request asked; whether it is the last."""
     completion = out.outputs[0]
     reason: eng.FinishReason | None = None
     if completion.finish_reason == "stop":
@@ -178,7 +204,8 @@ def chunk(out: Any) -> tuple[generation_pb2.TokenChunk, bool]:
     elif completion.finish_reason is not None:  # "abort", "error": the engine gave up on it
         raise Unavailable(f"vLLM finished the request with {completion.finish_reason!r}")
     text = completion.text or ""
-    return chunk_to_wire(eng.TokenChunk(list(completion.token_ids), text, reason)), reason is not None
+    entries = logprobs_of(completion, logprobs)
+    return chunk_to_wire(eng.TokenChunk(list(completion.token_ids), text, reason, entries)), reason is not None
 
 
 def engine_error(exc: BaseException) -> EpdError:

@@ -57,6 +57,7 @@ class TokenChunk(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text of those tokens (UTF-8), incrementally detokenized."""
     finish_reason: Global___FinishReason.ValueType
@@ -65,20 +66,93 @@ class TokenChunk(_message.Message):
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids generated since the previous chunk."""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprobs]:
+        """One entry per `token_ids` entry, in order, when the request set `SamplingParams.logprobs`;
+        empty otherwise. Since contract 1.6.
+        """
+
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
         finish_reason: Global___FinishReason.ValueType = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenChunk: _TypeAlias = TokenChunk  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """One token with its log-probability. Since contract 1.6."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """The token id."""
+    logprob: _builtins.float
+    """Natural log of the token's probability under the model's raw distribution at that step
+    (log-softmax of the logits, before temperature and penalties), <= 0, in nats.
+    """
+    token: _builtins.str
+    """Text of this token decoded alone (UTF-8; a token that ends mid-character decodes to U+FFFD)."""
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token", b"token", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
+class TokenLogprobs(_message.Message):
+    """Log-probabilities of one generated token and of the most likely alternatives at its step.
+    Since contract 1.6.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOSEN_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chosen(self) -> Global___TokenLogprob:
+        """The token generated."""
+
+    @_builtins.property
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """The `SamplingParams.logprobs` most likely tokens at that step, most likely first (the chosen
+        token among them when it ranks there).
+        """
+
+    def __init__(
+        self,
+        *,
+        chosen: Global___TokenLogprob | None = ...,
+        top: _abc.Iterable[Global___TokenLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chosen", b"chosen"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chosen", b"chosen", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprobs: _TypeAlias = TokenLogprobs  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):

@@ -290,6 +290,7 @@ class DecodeState(_message.Message):
     GENERATED_TEXT_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     ENGINE_PROMPT_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     next_input_token_id: _builtins.int
     """Token id to feed at the next step (the last generated token)."""
     rope_delta: _builtins.int
@@ -308,6 +309,14 @@ class DecodeState(_message.Message):
         decode engine reading paged blocks rebuilds the sequence from it); unset otherwise.
         """
 
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids the prompt's KV cache was built from, media placeholders expanded (one per
+        embedding row), `prompt_tokens` of them. Since contract 1.6: set by prefill services whose
+        decode needs them for `SamplingParams.repetition_penalty` (the reference engine; a vLLM
+        decode rebuilds the prompt from `engine_prompt`); empty otherwise.
+        """
+
     def __init__(
         self,
         *,
@@ -317,10 +326,11 @@ class DecodeState(_message.Message):
         generated_text: _builtins.str = ...,
         prompt_tokens: _builtins.int = ...,
         engine_prompt: Global___EnginePrompt | None = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine_prompt", b"engine_prompt"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_prompt", b"engine_prompt", "generated_text", b"generated_text", "generated_tokens", b"generated_tokens", "next_input_token_id", b"next_input_token_id", "prompt_tokens", b"prompt_tokens", "rope_delta", b"rope_delta"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_prompt", b"engine_prompt", "generated_text", b"generated_text", "generated_tokens", b"generated_tokens", "next_input_token_id", b"next_input_token_id", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "rope_delta", b"rope_delta"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

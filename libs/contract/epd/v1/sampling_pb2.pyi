@@ -33,6 +33,12 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TIMESTAMPS_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature, >= 0. 0 selects greedy decoding."""
     top_p: _builtins.float
@@ -46,6 +52,36 @@ class SamplingParams(_message.Message):
     timestamps: _builtins.bool
     """Speech models with timestamp tokens (Whisper): predict segment timestamps, as
     generate(return_timestamps=True) does; rejected by models without them. Since contract 1.4.
+    """
+    presence_penalty: _builtins.float
+    """Penalty subtracted once from the logit of every token already generated (OpenAI semantics),
+    in [-2, 2], in logits; 0 disables it. Positive values discourage repeating a token at all.
+    Since contract 1.6.
+    """
+    frequency_penalty: _builtins.float
+    """Penalty subtracted from the logit of every token per time it was already generated (OpenAI
+    semantics), in [-2, 2], in logits per occurrence; 0 disables it. Since contract 1.6.
+    """
+    repetition_penalty: _builtins.float
+    """Repetition penalty over the prompt and the generated tokens (HF / vLLM semantics): the logit
+    of a token seen in either is divided by it when positive, multiplied by it otherwise. A
+    factor, > 0 (at most 10); unset means 1 (off). Since contract 1.6.
+    """
+    min_tokens: _builtins.int
+    """Generated tokens before the model's end-of-sequence tokens and `stop_token_ids` may be chosen,
+    in tokens, >= 0 and <= `max_tokens` when that is set; 0 disables it. Stop sequences still
+    apply. Since contract 1.6.
+    """
+    ignore_eos: _builtins.bool
+    """Keep generating past the model's end-of-sequence tokens (benchmarks): they no longer end
+    generation; `stop_token_ids`, stop sequences and `max_tokens` still do. Since contract 1.6.
+    """
+    logprobs: _builtins.int
+    """Log-probabilities to return. Unset: none. k >= 0 (at most 20): each generated token's
+    log-probability plus those of the k most likely tokens at that step
+    (`TokenChunk.logprobs`). The values are the model's raw distribution: log-softmax of the
+    logits before temperature, penalties, min_tokens and top-k/top-p (vLLM's default
+    `logprobs_mode`, "raw_logprobs"). Since contract 1.6.
     """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -68,15 +104,29 @@ class SamplingParams(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         timestamps: _builtins.bool = ...,
+        presence_penalty: _builtins.float = ...,
+        frequency_penalty: _builtins.float = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        min_tokens: _builtins.int = ...,
+        ignore_eos: _builtins.bool = ...,
+        logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_p", b"_top_p", "seed", b"seed", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "logprobs", b"logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_p", b"_top_p", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "timestamps", b"timestamps", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "timestamps", b"timestamps", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload

@@ -1,0 +1,141 @@
+"""Contract 1.6's sampling math in the reference runtime, with vLLM's semantics: the repetition
+penalty over prompt + output tokens (a positive logit divided, a negative one multiplied), the
+frequency penalty per output occurrence, the presence penalty once per output token, in that order;
+min_tokens' suppression of EOS and the stop token ids; raw log-probabilities (log-softmax of the
+unprocessed logits). The vLLM-marked test checks the same rows against vLLM's own functions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from libs.runtime.errors import InvalidRequestError
+from libs.runtime.sampling import apply_penalties, check_sampling, suppress, top_logprobs
+from libs.runtime.stopping import TextStream
+from libs.runtime.types import SamplingParams
+
+
+class _CharTokenizer:
+    """Token i decodes to chr(ord('a') + i)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+ROW = torch.tensor([2.0, -1.0, 0.5, -0.5, 3.0, 0.0], dtype=torch.float32)
+
+
+@pytest.mark.unit
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens() -> None:
+    out = apply_penalties(ROW.clone(), SamplingParams(repetition_penalty=2.0), prompt_ids=[0, 1], output_ids=[3])
+    # 0 (prompt, positive) halved, 1 (prompt, negative) doubled, 3 (output, negative) doubled.
+    assert out.tolist() == [1.0, -2.0, 0.5, -1.0, 3.0, 0.0]
+
+
+@pytest.mark.unit
+def test_frequency_counts_output_occurrences_and_presence_counts_once_and_the_prompt_not_at_all() -> None:
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    out = apply_penalties(ROW.clone(), params, prompt_ids=[0, 4], output_ids=[2, 2, 2, 5])
+    expected = ROW.clone()
+    expected[2] -= 3 * 0.5 + 0.25
+    expected[5] -= 1 * 0.5 + 0.25
+    assert torch.equal(out, expected)  # tokens 0 and 4 (prompt only) untouched
+
+
+@pytest.mark.unit
+def test_penalties_apply_in_vllms_order_repetition_first() -> None:
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0)
+    out = apply_penalties(ROW.clone(), params, prompt_ids=[], output_ids=[4])
+    assert out[4].item() == 3.0 / 2 - 1.0  # divided, then the frequency subtracted (not (3 - 1) / 2)
+
+
+@pytest.mark.unit
+def test_off_penalties_leave_the_row_alone_and_ids_beyond_the_vocab_are_ignored() -> None:
+    assert torch.equal(apply_penalties(ROW.clone(), SamplingParams(), [0, 1], [2]), ROW)
+    out = apply_penalties(ROW.clone(), SamplingParams(repetition_penalty=2.0, presence_penalty=1.0), [99], [99])
+    assert torch.equal(out, ROW)
+
+
+@pytest.mark.unit
+def test_min_tokens_suppression_sets_the_stop_ids_to_minus_infinity() -> None:
+    out = suppress(ROW.clone(), {4, 1, 77})
+    assert out[4].item() == -math.inf and out[1].item() == -math.inf
+    assert int(torch.argmax(out)) == 0
+
+
+@pytest.mark.unit
+def test_raw_logprobs_are_the_log_softmax_of_the_unprocessed_logits_top_k_descending() -> None:
+    chosen, top = top_logprobs(ROW, token=2, k=3)
+    expected = torch.log_softmax(ROW, dim=-1)
+    assert chosen == pytest.approx(float(expected[2]))
+    assert [i for i, _ in top] == [4, 0, 2]
+    assert [v for _, v in top] == pytest.approx([float(expected[i]) for i in (4, 0, 2)])
+    assert top_logprobs(ROW, token=1, k=0) == (pytest.approx(float(expected[1])), [])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SamplingParams(presence_penalty=2.5), "sampling.presence_penalty"),
+        (SamplingParams(frequency_penalty=-3.0), "sampling.frequency_penalty"),
+        (SamplingParams(repetition_penalty=0.0), "sampling.repetition_penalty"),
+        (SamplingParams(min_tokens=-1), "sampling.min_tokens"),
+        (SamplingParams(logprobs=21), "sampling.logprobs"),
+    ],
+)
+def test_out_of_range_values_are_refused_naming_the_field(params: SamplingParams, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        check_sampling(params)
+    assert info.value.field == field
+
+
+@pytest.mark.unit
+def test_stop_sequences_are_matched_only_past_min_tokens_text() -> None:
+    stream = TextStream(_CharTokenizer(), ("b",), "", None)
+    stream.match_from = None  # within min_tokens: no match
+    assert stream.push(1) == ("b", False)
+    stream.match_from = len(stream.text)  # min_tokens reached: only text after offset 1 counts
+    assert stream.push(2) == ("c", False)
+    assert stream.push(1) == ("", True)
+    assert stream.text == "bc"
+
+
+@pytest.mark.vllm
+def test_the_math_equals_vllms_own_functions() -> None:
+    """vLLM's apply_penalties (the torch repetition op on CPU) and its sampler's logprobs on random
+    rows: the reference runtime's results are bit-identical."""
+    from vllm.model_executor.layers.utils import apply_penalties as vllm_penalties
+    from vllm.v1.sample.sampler import Sampler
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 64
+    logits = torch.randn(3, vocab, generator=generator) * 4
+    prompts = [[1, 2, 3, 2], [5], [7, 8]]
+    outputs = [[2, 2, 9, 40], [5, 5, 5], []]
+    cases = [(1.3, 0.5, -0.25), (0.7, -1.0, 2.0), (1.0, 0.0, 0.0)]  # (repetition, frequency, presence)
+
+    def padded(rows: list[list[int]]) -> torch.Tensor:
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [vocab] * (width - len(r)) for r in rows], dtype=torch.long)
+
+    theirs = vllm_penalties(
+        logits.clone(),
+        padded(prompts),
+        padded(outputs),
+        torch.tensor([c[2] for c in cases]),
+        torch.tensor([c[1] for c in cases]),
+        torch.tensor([c[0] for c in cases]),
+    )
+    for row, (rep, freq, pres) in enumerate(cases):
+        params = SamplingParams(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+        ours = apply_penalties(logits[row].clone(), params, prompts[row], outputs[row])
+        assert torch.equal(ours, theirs[row]), row
+    raw = Sampler.compute_logprobs(logits)
+    for row in range(3):
+        token = int(torch.argmax(logits[row]))
+        chosen, top = top_logprobs(logits[row], token, 5)
+        assert chosen == float(raw[row, token])
+        assert [v for _, v in top] == torch.topk(raw[row], 5).values.tolist()
