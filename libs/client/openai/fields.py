@@ -26,19 +26,27 @@ def param_path(loc: Sequence[int | str]) -> str:
 
 
 def parse(model: type[Body], raw: Any) -> Any:
-    """The validated body, or a 400 naming the first field at fault."""
+    """The validated body, or a 400 naming the most specific field at fault."""
     if not isinstance(raw, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     try:
         return model.model_validate(raw)
     except pydantic.ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        loc = [p for p in first["loc"] if not _is_tag(p)]
-        param = param_path(loc) or "body"
-        kind = first["type"]
-        message = "unknown or unsupported field" if kind == "extra_forbidden" else first["msg"]
+        # A union reports one error per member: the deepest names the field the client got wrong.
+        first = max(exc.errors(include_url=False), key=lambda e: len(_field_loc(e["loc"])))
+        param = param_path(_field_loc(first["loc"])) or "body"
+        message = "unknown or unsupported field" if first["type"] == "extra_forbidden" else first["msg"]
         raise invalid(param, message) from None
 
 
-def _is_tag(part: int | str) -> bool:
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+def _field_loc(loc: Sequence[int | str]) -> list[int | str]:
+    """pydantic's location without the union members it names: type names (`str`, `list[...]`)
+    and the tag of a tagged union, which repeats the field after it (`content[1].image_url.image_url`)."""
+    kept: list[int | str] = []
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool")):
+            continue
+        if isinstance(part, str) and kept and isinstance(kept[-1], int) and i + 1 < len(loc) and loc[i + 1] == part:
+            continue
+        kept.append(part)
+    return kept
