@@ -76,7 +76,7 @@ class Backends:
                 f"needs contract 1.6; the {stage} service at {address} speaks 1.{minor} and would ignore it",
             )
 
-        def priority_for(self, address: str, priority: int) -> int:
+    def priority_for(self, address: str, priority: int) -> int:
         """The request's priority for a peer that honors it (contract 1.1), else the default."""
         return priority if self.checks.honors(address, ADMISSION_PRIORITY) else 0
 
