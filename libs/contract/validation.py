@@ -433,6 +433,9 @@ def uses_since_1_6(sampling: sampling_pb2.SamplingParams) -> str | None:
     return None
 
 
+# Contract 1.6: advertised by prefill, decode and PD services that implement these fields; the
+# router sends a request setting one only to such peers.
+SAMPLING_CAPABILITY = "sampling.openai"
 SAMPLING_FIELDS_SINCE_1_6 = (
     "presence_penalty",
     "frequency_penalty",
