@@ -426,14 +426,16 @@ def uses_since_1_6(sampling: sampling_pb2.SamplingParams) -> str | None:
     """The first contract-1.6 sampling field `sampling` sets, or None: a peer speaking an older
     minor would drop it silently (unknown fields are ignored), so the router refuses to send it."""
     for name in SAMPLING_FIELDS_SINCE_1_6:
-        if name in ("repetition_penalty", "logprobs"):
-            if sampling.HasField(name):
-                return name
-        elif getattr(sampling, name):
+        # Optional fields count once set (even to the default); the others when not the default.
+        present = sampling.HasField(name) if name in ("repetition_penalty", "logprobs") else getattr(sampling, name)  # type: ignore[arg-type]
+        if present:
             return name
     return None
 
 
+# Contract 1.6: advertised by prefill, decode and PD services that implement these fields; the
+# router sends a request setting one only to such peers.
+SAMPLING_CAPABILITY = "sampling.openai"
 SAMPLING_FIELDS_SINCE_1_6 = (
     "presence_penalty",
     "frequency_penalty",

@@ -9,6 +9,7 @@ from typing import Any
 
 from libs.backends.api import Backend, EngineLeases
 from libs.contract.epd.v1 import service_info_pb2
+from libs.contract.validation import SAMPLING_CAPABILITY
 from libs.hosting.servicers import engine_lease_servicer, lease_servicer, stats_servicer
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission
@@ -17,6 +18,16 @@ from libs.rpc.main import Register, ServiceParts
 from libs.serving.identity import model_identity, service_info
 from libs.serving.settings import ModelServiceSettings
 from libs.serving.transport import Transport
+
+
+def _sampling(role: service_info_pb2.ServiceRole.ValueType) -> tuple[str, ...]:
+    """Contract 1.6's sampling fields: every engine's prefill, decode and PD implement them."""
+    generating = (
+        service_info_pb2.SERVICE_ROLE_PREFILL,
+        service_info_pb2.SERVICE_ROLE_DECODE,
+        service_info_pb2.SERVICE_ROLE_PREFILL_DECODE,
+    )
+    return (SAMPLING_CAPABILITY,) if role in generating else ()
 
 
 def backend_info(
@@ -30,7 +41,7 @@ def backend_info(
         model_identity(settings, backend.weights_digest),
         backend.embedding_specs(),
         backend.transport.transport_info() if backend.transport is not None else (),
-        capabilities=(ADMISSION_PRIORITY, *backend.capabilities()),
+        capabilities=(ADMISSION_PRIORITY, *_sampling(role), *backend.capabilities()),
     )
     backend.extend_info(info)
     return info

@@ -57,7 +57,9 @@ class DecodeRunner:
         if kv.layout.num_tokens != state.prompt_tokens + state.generated_tokens - 1:
             raise InvalidRequestError("KV length does not match the decode state", field="decode_state")
         if state.prompt_token_ids and len(state.prompt_token_ids) != state.prompt_tokens:
-            raise InvalidRequestError("prompt_token_ids do not match prompt_tokens", field="decode_state.prompt_token_ids")
+            raise InvalidRequestError(
+                "prompt_token_ids do not match prompt_tokens", field="decode_state.prompt_token_ids"
+            )
         if sampling.repetition_penalty != 1 and not state.prompt_token_ids:
             raise InvalidRequestError(
                 "the repetition penalty needs the prompt's token ids (a prefill speaking contract 1.6 sends them)",

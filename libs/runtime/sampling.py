@@ -8,12 +8,11 @@ another decode process draws the same tokens as one that ran in a single process
 from __future__ import annotations
 
 import random
+from collections.abc import Collection, Iterable
 
 import torch
 
 from libs.runtime.errors import InvalidRequestError
-from collections.abc import Collection, Iterable
-
 from libs.runtime.types import SamplingParams
 
 _MASK64 = (1 << 64) - 1

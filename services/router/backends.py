@@ -44,10 +44,6 @@ class Checks(Protocol):
         """The (checked) encoder's cache, as advertised in its ServiceInfo; None when it keeps none."""
         ...
 
-    def contract_minor(self, address: str) -> int | None:
-        """The contract minor the (checked) peer speaks (its ServiceInfo); None when not read yet."""
-        ...
-
 
 @dataclass
 class Backends:
@@ -66,17 +62,18 @@ class Backends:
             raise ValueError("need prefill and decode stubs (E/P/D) or a prefill-decode stub (E+PD)")
 
     def check_sampling(self, address: str, stage: str, sampling: sampling_pb2.SamplingParams) -> None:
-        """Refuse a request whose sampling sets a field the (checked) peer's contract minor does
-        not have: it would parse it as an unknown field and silently ignore it."""
+        """Refuse a request whose sampling sets a contract-1.6 field for a peer that does not
+        advertise `sampling.openai`: a peer of an older minor would parse it as an unknown field and
+        silently ignore it (features by capability, never by comparing minors)."""
         field = validation.uses_since_1_6(sampling)
-        minor = self.checks.contract_minor(address)
-        if field is not None and minor is not None and minor < 6:
+        if field is not None and not self.checks.honors(address, validation.SAMPLING_CAPABILITY):
             raise InvalidArgument(
                 f"sampling.{field}",
-                f"needs contract 1.6; the {stage} service at {address} speaks 1.{minor} and would ignore it",
+                f"the {stage} service at {address} does not advertise {validation.SAMPLING_CAPABILITY} "
+                "(contract 1.6): it would ignore the field",
             )
 
-        def priority_for(self, address: str, priority: int) -> int:
+    def priority_for(self, address: str, priority: int) -> int:
         """The request's priority for a peer that honors it (contract 1.1), else the default."""
         return priority if self.checks.honors(address, ADMISSION_PRIORITY) else 0
 

@@ -121,11 +121,6 @@ class BackendChecks:
         info = self._peers.cached(address)
         return info is not None and capability in info.capabilities
 
-    def contract_minor(self, address: str) -> int | None:
-        """The contract minor the (already checked) peer at `address` speaks."""
-        info = self._peers.cached(address)
-        return None if info is None else info.contract_version.minor
-
     async def encoder(self, address: str, instance_id: str | None = None) -> None:
         """Raise FailedPrecondition when the encoder at `address` cannot feed our prefill."""
         backend = await self.backend()

@@ -36,9 +36,11 @@ from libs.contract.epd.v1 import (
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
+from libs.runtime import types as eng
 from libs.runtime.media import synthetic
 from tests.support.release_tree import release_checkout
 from tests.support.vllm_stack import (
+    TOKENS,
     call,
     call_prefill,
     cancel_after_chunks,
@@ -46,6 +48,7 @@ from tests.support.vllm_stack import (
     handoff,
     health,
     mixes,
+    reference_result,
     reference_tokens,
     release,
     request,
@@ -121,6 +124,46 @@ def test_tokens_equal_the_reference_runtime(vllm_split_stack: Stack, expected: d
     assert result.token_ids == expected[mix]
     assert result.completion_tokens == len(expected[mix])
     _wait_empty(vllm_split_stack)
+
+
+# Contract 1.6's sampling fields on vLLM's split (vLLM's own knobs): the reference runtime's tokens,
+# across the P->D handoff (vLLM's decode re-runs the prompt and samples the first token again).
+SAMPLING_1_6 = {
+    "penalties": {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.25},
+    "logprobs": {"logprobs": 3},
+}
+
+
+@pytest.mark.parametrize("mix", ["text", "image"])
+@pytest.mark.parametrize("case", list(SAMPLING_1_6))
+def test_contract_1_6_sampling_equals_the_reference_runtime(
+    vllm_split_stack: Stack, omni_tiny: Path, expected: dict[str, list[int]], mix: str, case: str
+) -> None:
+    fields: dict[str, Any] = dict(SAMPLING_1_6[case])
+    if case == "logprobs":  # with min_tokens holding a stop token id back past prefill's token
+        greedy = expected[mix]
+        at = next(i for i in range(2, len(greedy) - 2) if greedy[i] not in greedy[:i])
+        fields.update(stop_token_ids=[greedy[at]], min_tokens=at + 2, ignore_eos=True)
+    as_engine = {key: tuple(value) if isinstance(value, list) else value for key, value in fields.items()}
+    want, want_logprobs = reference_result(omni_tiny, MIXES[mix], eng.SamplingParams(max_tokens=TOKENS, **as_engine))
+    req: Any = request(MIXES[mix])
+    for key, value in fields.items():
+        if isinstance(value, list):
+            getattr(req.sampling, key).extend(value)
+        else:
+            setattr(req.sampling, key, value)
+    result = call(vllm_split_stack.address, req)
+    assert result.token_ids == want
+    if case == "penalties":
+        assert want != expected[mix]  # the penalties change this answer
+        assert not result.logprobs
+        return
+    assert len(result.logprobs) == len(want)  # one per token: decode dropped its copy of the first
+    for ours, theirs in zip(want_logprobs, result.logprobs, strict=True):
+        assert theirs.chosen.token_id == ours.chosen.token_id and theirs.chosen.token == ours.chosen.token
+        assert theirs.chosen.logprob == pytest.approx(ours.chosen.logprob, abs=1e-3)
+        assert [t.token_id for t in theirs.top] == [t.token_id for t in ours.top]
+        assert [t.logprob for t in theirs.top] == pytest.approx([t.logprob for t in ours.top], abs=1e-3)
 
 
 def test_prefill_and_decode_advertise_vllm_and_paged_kv(vllm_split_stack: Stack) -> None:

@@ -325,6 +325,22 @@ BAD = [
         "kv_cache.handle.tensors[0].name",
         "not layers",
     ),
+    # Contract 1.6's sampling fields, with vLLM's ranges.
+    Bad("GenerateRequest", _set("sampling.presence_penalty", 2.5), "sampling.presence_penalty", "[-2, 2]"),
+    Bad("GenerateRequest", _set("sampling.frequency_penalty", float("nan")), "sampling.frequency_penalty", "[-2, 2]"),
+    Bad("PrefillRequest", _set("sampling.frequency_penalty", -2.5), "sampling.frequency_penalty", "[-2, 2]"),
+    Bad("GenerateRequest", _set("sampling.repetition_penalty", 0.0), "sampling.repetition_penalty", "(0, 10]"),
+    Bad("DecodeRequest", _set("sampling.repetition_penalty", 11.0), "sampling.repetition_penalty", "(0, 10]"),
+    Bad("GenerateRequest", _set("sampling.min_tokens", -1), "sampling.min_tokens", "at most max_tokens"),
+    Bad("PrefillDecodeRequest", _set("sampling.min_tokens", 10_000), "sampling.min_tokens", "at most max_tokens"),
+    Bad("GenerateRequest", _set("sampling.logprobs", 21), "sampling.logprobs", "[0, 20]"),
+    Bad("GenerateRequest", _set("sampling.logprobs", -1), "sampling.logprobs", "[0, 20]"),
+    Bad(
+        "DecodeRequest",
+        lambda r: r.decode_state.prompt_token_ids.extend([1, 2]),
+        "decode_state.prompt_token_ids",
+        "prompt_tokens is",
+    ),
     # ReleaseLeasesRequest
     Bad("ReleaseLeasesRequest", _set("reason", 0), "reason", "RELEASE_REASON_UNSPECIFIED"),
     Bad("ReleaseLeasesRequest", lambda r: r.lease_ids.append(""), "lease_ids[2]", "empty"),
@@ -404,3 +420,14 @@ def test_version_compatibility_is_decided_by_major() -> None:
     assert incompatibility(service_info_pb2.ContractVersion(major=1, minor=7)) is None
     reason = incompatibility(service_info_pb2.ContractVersion(major=2, minor=0))
     assert reason is not None and "peer speaks 2.0" in reason and f"this service speaks 1.{CONTRACT_MINOR}" in reason
+
+
+def test_min_tokens_is_bounded_by_the_requests_max_tokens() -> None:
+    build, validate = VALIDATORS["GenerateRequest"]
+    request = build()
+    request.sampling.max_tokens = 8
+    request.sampling.min_tokens = 8
+    validate(request)
+    request.sampling.min_tokens = 9
+    with pytest.raises(InvalidArgument, match="at most max_tokens"):
+        validate(request)

@@ -23,6 +23,7 @@ from libs.contract.epd.v1 import (
     prefill_decode_pb2,
 )
 from libs.contract.errors import FailedPrecondition, InvalidArgument, Unavailable
+from libs.contract.validation import SAMPLING_CAPABILITY
 from services.router.backends import Backends
 from services.router.core import Router
 from services.router.encoders import EncoderPool
@@ -452,3 +453,35 @@ def test_priority_is_forwarded_only_to_peers_that_honor_it() -> None:
     assert sorted(seen) == [("enc0", 0), ("enc1", 7)]
     assert h.prefill.requests[0].priority == 7
     assert h.decode.requests[0].priority == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -0.5),
+        ("repetition_penalty", 1.0),  # set, even to its default: an old peer would not know it
+        ("min_tokens", 2),
+        ("ignore_eos", True),
+        ("logprobs", 0),
+    ],
+)
+def test_a_contract_1_6_sampling_field_is_refused_for_a_stage_speaking_an_older_minor(field: str, value: Any) -> None:
+    h = Harness()
+    h.stages.prefill, h.stages.decode = MemberPool(["p:1"]), MemberPool(["d:1"])
+    advertising = {"p:1"}  # decode speaks contract 1.5: no "sampling.openai"
+    h.checks.honoring = lambda address, capability: capability == SAMPLING_CAPABILITY and address in advertising
+    request = image_request(1)
+    setattr(request.sampling, field, value)
+    with pytest.raises(InvalidArgument) as caught:
+        asyncio.run(h.tokens(request))
+    assert caught.value.field == f"sampling.{field}"
+    assert "decode service at d:1 does not advertise sampling.openai" in caught.value.problem
+    assert not h.decode.requests  # never sent where it would be dropped
+    advertising.add("d:1")
+    assert asyncio.run(h.tokens(request)) == [7, 8, 9]  # once decode speaks 1.6 it goes through
+    advertising.discard("p:1")
+    with pytest.raises(InvalidArgument, match="prefill service at p:1 does not advertise"):
+        asyncio.run(h.tokens(request))
+    # A request without 1.6 fields still goes to the older stage.
+    assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]

@@ -139,3 +139,66 @@ def test_the_math_equals_vllms_own_functions() -> None:
         chosen, top = top_logprobs(logits[row], token, 5)
         assert chosen == float(raw[row, token])
         assert [v for _, v in top] == torch.topk(raw[row], 5).values.tolist()
+
+
+class _Runtime:
+    """What `Sequence` reads of a runtime: a vocabulary of 6, token 5 the end of sequence."""
+
+    eos_token_ids = frozenset({5})
+    tokenizer = _CharTokenizer()
+
+    class adapter:
+        @staticmethod
+        def process_logits(logits: torch.Tensor, sampled: list[int], sampling: SamplingParams) -> torch.Tensor:
+            return logits
+
+    @staticmethod
+    def max_new_tokens(prompt_tokens: int, max_tokens: int, default: int) -> int:
+        return max_tokens or default
+
+
+def _run(sampling: SamplingParams, steps: int, **kw: object) -> list[tuple[int, str | None]]:
+    from libs.runtime.sequence import Sequence
+
+    sequence = Sequence(_Runtime(), sampling, default_max_tokens=16, **kw)  # type: ignore[arg-type]
+    row = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 5.0])  # EOS is the greedy choice
+    out = []
+    for _ in range(steps):
+        token, chunk = sequence.advance(row.clone())
+        out.append((token, None if chunk.finish_reason is None else chunk.finish_reason.value))
+        if chunk.finish_reason is not None:
+            break
+    return out
+
+
+@pytest.mark.unit
+def test_eos_ends_generation_unless_ignore_eos_and_min_tokens_holds_it_back() -> None:
+    assert _run(SamplingParams(max_tokens=4), 4) == [(5, "stop")]
+    # ignore_eos: EOS is still chosen, it just does not end generation (vLLM's ignore_eos).
+    assert _run(SamplingParams(max_tokens=3, ignore_eos=True), 4) == [(5, None), (5, None), (5, "length")]
+    # min_tokens: EOS suppressed for the first 2 tokens, then it ends generation.
+    assert _run(SamplingParams(max_tokens=8, min_tokens=2), 8) == [(1, None), (1, None), (5, "stop")]
+    # Continued after prefill's token (decode): the count goes on from generated_tokens.
+    continued = _run(SamplingParams(max_tokens=8, min_tokens=2), 8, generated_tokens=1, last_token_id=1)
+    assert continued == [(1, None), (5, "stop")]
+
+
+@pytest.mark.unit
+def test_logprobs_come_with_every_token_and_penalties_need_every_generated_token() -> None:
+    from libs.runtime.sequence import Sequence
+
+    sequence = Sequence(_Runtime(), SamplingParams(max_tokens=4, logprobs=2), default_max_tokens=16)  # type: ignore[arg-type]
+    _, chunk = sequence.advance(torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 5.0]))
+    assert chunk.logprobs is not None and len(chunk.logprobs) == 1
+    (entry,) = chunk.logprobs
+    assert entry.chosen.token_id == 5 and entry.chosen.token == "f"
+    assert [t.token_id for t in entry.top] == [5, 1]
+    with pytest.raises(InvalidRequestError) as info:
+        Sequence(
+            _Runtime(),  # type: ignore[arg-type]
+            SamplingParams(presence_penalty=1.0),
+            default_max_tokens=16,
+            generated_tokens=3,
+            last_token_id=1,
+        )
+    assert info.value.field == "decode_state.generated_tokens"

@@ -1,13 +1,12 @@
 """First-contact checks (`services.router.backends.Checks`) that pass every peer without a
 handshake, for router tests without services; a test that wants one refused or gone replaces the
-hook it needs (`on_encoder`, `on_prefill`, `on_decode`, `honoring`, `cache_of`, `minor_of`)."""
+hook it needs (`on_encoder`, `on_prefill`, `on_decode`, `honoring`, `cache_of`)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
 from libs.contract.epd.v1 import service_info_pb2
-from libs.contract.version import CONTRACT_MINOR
 
 
 async def _passes(*_: str | None) -> None:
@@ -22,7 +21,6 @@ class PassingChecks:
         self.on_decode: Callable[[str, str], Awaitable[None]] = _passes
         self.honoring: Callable[[str, str], bool] = lambda address, capability: False
         self.cache_of: Callable[[str], service_info_pb2.EncoderCacheInfo | None] = lambda address: None
-        self.minor_of: Callable[[str], int | None] = lambda address: CONTRACT_MINOR
 
     async def backend(self) -> service_info_pb2.ServiceInfo:
         return self.info
@@ -41,6 +39,3 @@ class PassingChecks:
 
     def encoder_cache(self, address: str) -> service_info_pb2.EncoderCacheInfo | None:
         return self.cache_of(address)
-
-    def contract_minor(self, address: str) -> int | None:
-        return self.minor_of(address)

@@ -72,6 +72,13 @@ def request(mix: Mix, *, max_tokens: int = TOKENS, request_id: str = "") -> obje
 
 def reference_tokens(model: Path, mix: Mix, max_tokens: int = TOKENS) -> list[int]:
     """The reference runtime's greedy tokens for `mix` (staged, in this process)."""
+    tokens, _ = reference_result(model, mix, eng.SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return tokens
+
+
+def reference_result(model: Path, mix: Mix, sampling: eng.SamplingParams) -> tuple[list[int], list[eng.TokenLogprobs]]:
+    """The reference runtime's tokens for `mix` under `sampling` (staged: prefill, then decode from
+    its KV, in this process), with their log-probabilities when `sampling` asks for them."""
     encoder = EncoderRunner(model)
     runtime = LanguageModelRuntime(model)
     modality = {media_pb2.MODALITY_IMAGE: eng.Modality.IMAGE, media_pb2.MODALITY_VIDEO: eng.Modality.VIDEO,
@@ -79,16 +86,17 @@ def reference_tokens(model: Path, mix: Mix, max_tokens: int = TOKENS) -> list[in
     media = [eng.MediaInput(modality[m], data, item_index=i) for i, (m, data) in enumerate(mix.media)]
     items = encoder.encode(media) if media else []
     parts = (*(eng.EncodedPart(item) for item in items), eng.TextPart(PROMPT))
-    sampling = eng.SamplingParams(temperature=0.0, max_tokens=max_tokens)
     result = PrefillRunner(runtime).prefill([eng.ChatMessage(eng.ChatRole.USER, parts)], sampling)
     tokens = list(result.first_chunk.token_ids)
+    logprobs = list(result.first_chunk.logprobs or ())
     if result.kv_cache is not None:
         decode = DecodeRunner(runtime, max_batch=1)
         decode.add("r", result.kv_cache, result.decode_state, sampling)
         while decode.active_ids:
             for chunk, _ in decode.step().values():
                 tokens += chunk.token_ids
-    return tokens
+                logprobs += chunk.logprobs or ()
+    return tokens, logprobs
 
 
 def call(address: str, req: object, timeout_s: float = 120.0) -> GenerationResult:
