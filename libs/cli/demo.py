@@ -97,8 +97,18 @@ def _curl_the_door(url: str, model: str) -> int:
         print("\nOpenAI door: curl is not installed; skipped", flush=True)
         return 0
     body = {"model": model, "max_tokens": 16, "temperature": 0, "messages": [{"role": "user", "content": "Say hello."}]}
-    command = [curl, "-sS", "--fail-with-body", "-m", "60", f"{url}/chat/completions",
-               "-H", "Content-Type: application/json", "-d", json.dumps(body)]
+    command = [
+        curl,
+        "-sS",
+        "--fail-with-body",
+        "-m",
+        "60",
+        f"{url}/chat/completions",
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        json.dumps(body),
+    ]
     print(f"\nthrough the OpenAI door:\n$ {shlex.join(['curl', *command[1:]])}", flush=True)
     done = subprocess.run(command, capture_output=True, text=True, timeout=90)
     print(done.stdout.strip() or done.stderr.strip(), flush=True)

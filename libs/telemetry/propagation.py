@@ -9,7 +9,6 @@ injects the current context into outgoing metadata.
 from __future__ import annotations
 
 import asyncio
-
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -105,7 +104,11 @@ def _record_exception(span: Any, exc: BaseException) -> None:
 def _record_status(span: Any, context: Any) -> None:
     """The status a handler set (`end_call`): `rpc.grpc.status_code`, and ERROR unless OK."""
     code = context.code()
-    if code is not None and code != grpc.StatusCode.OK and "rpc.grpc.status_code" not in getattr(span, "attributes", {}):
+    if (
+        code is not None
+        and code != grpc.StatusCode.OK
+        and "rpc.grpc.status_code" not in getattr(span, "attributes", {})
+    ):
         span.set_attribute("rpc.grpc.status_code", code.value[0])
         span.set_status(Status(StatusCode.ERROR, code.name))
 

@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 
 import fastapi
 import structlog
-from starlette.datastructures import UploadFile as StarletteUpload
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.datastructures import UploadFile as StarletteUpload
 
 from libs.client.openai import chat, errors, responses, transcription
 from libs.client.openai.errors import ApiError
@@ -89,7 +89,9 @@ async def _unless_disconnected(request: fastapi.Request, work: Awaitable[T]) -> 
     return task.result()
 
 
-def create_app(config: DoorConfig, caller: Caller, fetch: FetchClient, health: Callable[[], Awaitable[bool]]) -> fastapi.FastAPI:
+def create_app(
+    config: DoorConfig, caller: Caller, fetch: FetchClient, health: Callable[[], Awaitable[bool]]
+) -> fastapi.FastAPI:
     app = fastapi.FastAPI(title="EPD OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics()
 
@@ -135,8 +137,10 @@ def create_app(config: DoorConfig, caller: Caller, fetch: FetchClient, health: C
     def check_model(model: str) -> None:
         if model not in (config.served_model, str(config.model_root)):
             raise ApiError(
-                404, f"model {model!r} is not served here (this server serves {config.served_model!r})",
-                param="model", code="model_not_found",
+                404,
+                f"model {model!r} is not served here (this server serves {config.served_model!r})",
+                param="model",
+                code="model_not_found",
             )
 
     async def fetched_media(body: chat.ChatCompletionRequest) -> dict[str, media_pb2.MediaItem]:
@@ -279,21 +283,29 @@ def create_app(config: DoorConfig, caller: Caller, fetch: FetchClient, health: C
         span_context = propagate.extract(dict(request.headers))
         token = authorize(request)
         if config.timestamp_begin is None:
-            raise ApiError(404, f"{config.served_model!r} is not a speech model: no transcriptions here", code="model_not_found")
+            raise ApiError(
+                404, f"{config.served_model!r} is not a speech model: no transcriptions here", code="model_not_found"
+            )
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
             raise errors.too_large("file", f"{length} bytes, limit {config.max_body_bytes}")
         try:
-            form = await request.form(max_files=1, max_fields=len(transcription.FIELDS), max_part_size=config.max_body_bytes)
-        except Exception as exc:  # noqa: BLE001 - python-multipart's and Starlette's own parse errors
+            form = await request.form(
+                max_files=1, max_fields=len(transcription.FIELDS), max_part_size=config.max_body_bytes
+            )
+        except Exception as exc:
             raise ApiError(400, f"the request is not a valid multipart form: {exc}", code="invalid_form") from None
         upload = form.get("file")
-        audio, mime = (await upload.read(), upload.content_type or "") if isinstance(upload, StarletteUpload) else (b"", "")
+        audio, mime = (
+            (await upload.read(), upload.content_type or "") if isinstance(upload, StarletteUpload) else (b"", "")
+        )
         parsed = transcription.parse_form(dict(form.items()), audio, mime)
         check_model(parsed.model)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         call = Caller(caller.stub, caller.timeout_s, token)
-        with _tracer.start_as_current_span("POST /v1/audio/transcriptions", context=span_context, kind=SpanKind.SERVER) as span:
+        with _tracer.start_as_current_span(
+            "POST /v1/audio/transcriptions", context=span_context, kind=SpanKind.SERVER
+        ) as span:
 
             async def whole() -> list[tuple[list[int], str]]:
                 got = []
@@ -349,6 +361,6 @@ def whisper_timestamp_begin(checkpoint: Path) -> int | None:
 async def router_health(stub: health_pb2_grpc.HealthStub) -> bool:
     try:
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-    except Exception:  # noqa: BLE001 - any failure to answer is "not serving"
+    except Exception:
         return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

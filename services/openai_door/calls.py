@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -32,10 +33,12 @@ async def responses(
 ) -> AsyncIterator[tuple[int, generate_pb2.GenerateResponse]]:
     """(choice index, response) as each choice's stream delivers them; a failed call raises its
     `ApiError` (the others are cancelled). Leaving the iteration early cancels every call."""
-    queue: asyncio.Queue[tuple[int, generate_pb2.GenerateResponse | None | ApiError]] = asyncio.Queue(maxsize=64)  # backpressure: a slow client slows the reads
-    calls = [caller.stub.Generate(r, timeout=caller.timeout_s, metadata=caller.metadata()) for r in requests]
+    queue: asyncio.Queue[tuple[int, generate_pb2.GenerateResponse | ApiError | None]] = asyncio.Queue(
+        maxsize=64
+    )  # backpressure: a slow client slows the reads
+    calls: list[Any] = [caller.stub.Generate(r, timeout=caller.timeout_s, metadata=caller.metadata()) for r in requests]
 
-    async def pump(index: int, call: grpc.aio.UnaryStreamCall) -> None:  # type: ignore[type-arg]
+    async def pump(index: int, call: Any) -> None:  # grpc.aio.UnaryStreamCall; its stubs type it as an iterator
         try:
             async for response in call:
                 await queue.put((index, response))

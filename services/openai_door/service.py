@@ -35,11 +35,15 @@ class DoorSettings(ClientAuthSettings, CommonSettings):
 
     router: str = setting("", "the router's address, HOST:PORT (required)")
     model: Path = setting(Path("var/models/qwen2_5_omni-tiny"), "the checkpoint the stack serves (/v1/models root)")
-    served_model_name: str = setting("", "the model id clients send and /v1/models lists; empty: the model directory's name")
+    served_model_name: str = setting(
+        "", "the model id clients send and /v1/models lists; empty: the model directory's name"
+    )
     request_timeout_s: float = setting(600.0, "deadline of each Generate call, in seconds")
     default_temperature: float = setting(1.0, "temperature of requests that send none (OpenAI's default is 1)")
     max_body_mib: int = setting(64, "largest request body accepted, in MiB (413 beyond)")
-    fetch_max_mib: int = setting(20, "largest media item fetched from a URL or decoded from a data URL, in MiB (413 beyond)")
+    fetch_max_mib: int = setting(
+        20, "largest media item fetched from a URL or decoded from a data URL, in MiB (413 beyond)"
+    )
     fetch_timeout_s: float = setting(10.0, "longest a media URL fetch may take, in seconds")
     fetch_max_redirects: int = setting(3, "redirects followed per media URL")
     fetch_allow_private: bool = setting(
@@ -114,7 +118,7 @@ async def serve(settings: DoorSettings) -> None:
         await serving
     finally:
         await fetch.close()
-        await channel.close()
+        await channel.close(None)
 
 
 def main() -> None:

@@ -37,8 +37,10 @@ def _refusal(raw: Any) -> ApiError:
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
         ({"model": "m", "messages": []}, "messages"),
         ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
-        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-         "messages[0].content[0].image_url.url"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0].image_url.url",
+        ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 21}, "top_logprobs"),
     ],
 )
@@ -53,8 +55,20 @@ def test_a_body_that_is_not_an_object_is_400() -> None:
 
 def test_sampling_fields_and_choice_seeds() -> None:
     body = _body(
-        temperature=0.7, top_p=0.9, top_k=-1, n=3, seed=41, stop="END", max_completion_tokens=20, presence_penalty=0.5,
-        frequency_penalty=-0.25, repetition_penalty=1.1, min_tokens=2, ignore_eos=True, logprobs=True, top_logprobs=3,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=-1,
+        n=3,
+        seed=41,
+        stop="END",
+        max_completion_tokens=20,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.1,
+        min_tokens=2,
+        ignore_eos=True,
+        logprobs=True,
+        top_logprobs=3,
     )
     requests = [chat.generate_request(body, {}, request_id="r", choice=i, default_temperature=1.0) for i in range(3)]
     assert [r.request_id for r in requests] == ["r-0", "r-1", "r-2"]
@@ -88,19 +102,26 @@ def test_inconsistent_fields_are_refused(fields: dict[str, Any], param: str) -> 
 
 
 def test_media_parts_keep_their_order_and_audio_becomes_a_data_url() -> None:
-    body = _body(messages=[
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [
-            {"type": "text", "text": "look"},
-            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
-            {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
-        ]},
-    ])
+    body = _body(
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "look"},
+                    {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                    {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+                ],
+            },
+        ]
+    )
     parts = chat.media_parts(body)
     assert [path for path, _ in parts] == ["messages[1].content[1]", "messages[1].content[2]"]
     assert chat.media_source(parts[1][1]) == (media_pb2.MODALITY_AUDIO, "data:audio/wav;base64,UklGRg==")
     assert [chat.source_field(p, part) for p, part in parts] == [
-        "messages[1].content[1].image_url.url", "messages[1].content[2].input_audio.data"]
+        "messages[1].content[1].image_url.url",
+        "messages[1].content[2].input_audio.data",
+    ]
     items = {p: media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=b"x", id=p) for p, _ in parts}
     wire = chat.messages_to_wire(body, items)
     assert [m.role for m in wire] == [1, 2]
@@ -115,7 +136,9 @@ def test_media_in_an_assistant_turn_is_refused() -> None:
 
 
 def _chunk(text: str, ids: list[int], finish: int = 0) -> generate_pb2.GenerateResponse:
-    return generate_pb2.GenerateResponse(chunk=generation_pb2.TokenChunk(token_ids=ids, text=text, finish_reason=finish))
+    return generate_pb2.GenerateResponse(
+        chunk=generation_pb2.TokenChunk(token_ids=ids, text=text, finish_reason=finish)
+    )
 
 
 def test_chunks_and_whole_completion() -> None:
@@ -123,7 +146,9 @@ def test_chunks_and_whole_completion() -> None:
     first = envelope.chat_chunk(0, _chunk("He", [1]).chunk, first=True, logprobs=False)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "He"}
     assert first["choices"][0]["finish_reason"] is None
-    last = envelope.chat_chunk(0, _chunk("", [2], generation_pb2.FINISH_REASON_LENGTH).chunk, first=False, logprobs=False)
+    last = envelope.chat_chunk(
+        0, _chunk("", [2], generation_pb2.FINISH_REASON_LENGTH).chunk, first=False, logprobs=False
+    )
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
     a, b = responses.Choice(0), responses.Choice(1)
     for choice, text in ((a, "x"), (b, "yz")):
@@ -176,14 +201,21 @@ def test_field_and_reason_travel_into_the_error() -> None:
         (STATUS_DETAILS_KEY, status_details(grpc.StatusCode.UNAVAILABLE, "draining", Reason.DRAINING)),
     )
     error = errors.from_rpc(_rpc_error(grpc.StatusCode.UNAVAILABLE, "draining", trailers))
-    assert (error.status, error.code, error.param, error.headers) == (503, "draining", "epd.media item 1", {"Retry-After": "1"})
+    assert (error.status, error.code, error.param, error.headers) == (
+        503,
+        "draining",
+        "epd.media item 1",
+        {"Retry-After": "1"},
+    )
     moved = errors.relocate(error, ["messages[0].content[0].image_url.url", "messages[0].content[2].video_url.url"])
     assert moved.param == "messages[0].content[2].video_url.url"
     assert errors.relocate(error, []).param == "epd.media item 1"
 
 
 def test_transcription_form() -> None:
-    form = transcription.parse_form({"model": "w", "response_format": "verbose_json", "file": "f"}, b"RIFF", "audio/wav")
+    form = transcription.parse_form(
+        {"model": "w", "response_format": "verbose_json", "file": "f"}, b"RIFF", "audio/wav"
+    )
     assert transcription.request_for(form, "r").sampling.timestamps
     for fields, param in (
         ({"model": "w", "language": "de"}, "language"),
@@ -202,5 +234,9 @@ def test_segments_continue_across_windows() -> None:
     window_one = [([begin, 1, 2, begin + 250], " one"), ([begin + 250, 3, begin + 1400], " two")]
     window_two = [([begin, 4, begin + 100], " three")]  # counts from 28.0 s, where window one's last segment ended
     found = transcription.segments([*window_one, *window_two, ([7], "")], begin)
-    assert [(s.start_s, s.end_s, s.text) for s in found] == [(0.0, 5.0, " one"), (5.0, 28.0, " two"), (28.0, 30.0, " three")]
+    assert [(s.start_s, s.end_s, s.text) for s in found] == [
+        (0.0, 5.0, " one"),
+        (5.0, 28.0, " two"),
+        (28.0, 30.0, " three"),
+    ]
     assert found[0].tokens == (1, 2)

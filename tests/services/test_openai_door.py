@@ -16,13 +16,10 @@ import httpx
 import openai
 import pytest
 
-from libs.client.generate import build_request
-from libs.contract.epd.v1 import chat_pb2, generate_pb2, sampling_pb2
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack
 from libs.runtime.types import Modality
 from libs.telemetry.spans import OtlpReceiver
-from tests.support.media_server import MediaServer
 from tests.support.metrics import counter_total
 from tests.support.stacks import MIXES, run_requests, wait_for, wait_pools_empty
 from tests.support.tracing import trace_spans, tracing_env
@@ -40,7 +37,9 @@ def stack(stacks: Callable[[str], Stack]) -> Stack:
 
 
 @pytest.fixture(scope="module")
-def door(stack: Stack, model_path: Path, receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def door(
+    stack: Stack, model_path: Path, receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     """The door as its own process in front of the session's E/P/D router; yields its base URL."""
     process = ServiceProcess(
         name="openai_door",
@@ -114,7 +113,9 @@ def _openai_content(mix_name: str, url_of: Callable[[int], str] | None = None) -
             continue
         media = mix.media[part]
         if media.modality == Modality.AUDIO:
-            parts.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(media.data).decode(), "format": "wav"}})
+            parts.append(
+                {"type": "input_audio", "input_audio": {"data": base64.b64encode(media.data).decode(), "format": "wav"}}
+            )
             continue
         url = url_of(part) if url_of else f"data:{_MIME[media.modality]};base64,{base64.b64encode(media.data).decode()}"
         kind = _PART[media.modality]
@@ -137,7 +138,7 @@ def test_chat_matches_the_grpc_path(client: openai.OpenAI, stack: Stack, mix_nam
     )
     assert reply.choices[0].message.content == _grpc_text(stack, mix_name, 8)
     assert reply.choices[0].finish_reason in ("stop", "length")
-    assert reply.usage is not None and reply.usage.completion_tokens == 8 or reply.choices[0].finish_reason == "stop"
+    assert (reply.usage is not None and reply.usage.completion_tokens == 8) or reply.choices[0].finish_reason == "stop"
     media = len(MIXES[mix_name].media)
     # Prompt tokens count the media placeholders: far more than the text alone.
     assert reply.usage is not None and reply.usage.prompt_tokens > 10 + 4 * media
@@ -146,10 +147,16 @@ def test_chat_matches_the_grpc_path(client: openai.OpenAI, stack: Stack, mix_nam
 @pytest.mark.timeout(300)
 def test_streamed_equals_whole_and_ends_with_usage(client: openai.OpenAI) -> None:
     content = _openai_content("image")
-    whole = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=[{"role": "user", "content": content}])
+    whole = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=12, messages=[{"role": "user", "content": content}]
+    )
     chunks = list(
         client.chat.completions.create(
-            model=MODEL, temperature=0, max_tokens=12, stream=True, stream_options={"include_usage": True},
+            model=MODEL,
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
             messages=[{"role": "user", "content": content}],
         )
     )
@@ -164,12 +171,19 @@ def test_streamed_equals_whole_and_ends_with_usage(client: openai.OpenAI) -> Non
 def test_image_by_url_is_fetched_once_per_request(client: openai.OpenAI, stack: Stack, media_url: Any) -> None:
     image = MIXES["image"].media[0].data
     url = media_url("cat.png", image, "image/png")
-    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "image_url", "image_url": {"url": url}},
-             {"type": "text", "text": "Compare."}]
-    by_url = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=[{"role": "user", "content": parts}])
+    parts = [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "Compare."},
+    ]
+    by_url = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=8, messages=[{"role": "user", "content": parts}]
+    )
     data_url = f"data:image/png;base64,{base64.b64encode(image).decode()}"
     inline = [{**p, "image_url": {"url": data_url}} if p["type"] == "image_url" else p for p in parts]
-    by_data = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=[{"role": "user", "content": inline}])
+    by_data = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=8, messages=[{"role": "user", "content": inline}]
+    )
     assert by_url.choices[0].message.content == by_data.choices[0].message.content
     assert media_url.hits["cat.png"] == 1
 
@@ -189,10 +203,24 @@ def test_models_and_health(client: openai.OpenAI, door: str, model_path: Path) -
     [
         ({"bogus": 1}, "bogus"),
         ({"temperature": 5}, "temperature"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}]}]},
-         "messages[0].content[0].image_url.url"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "x"}]}]},
-         "messages[0].content[0].image_url.url"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}]}]},
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                            {"type": "text", "text": "x"},
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[0].image_url.url",
+        ),
     ],
 )
 def test_bad_requests_are_400_naming_the_field(door: str, body: dict[str, Any], param: str) -> None:
@@ -213,10 +241,13 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
 
 @pytest.mark.timeout(300)
 def test_disconnect_mid_stream_cancels_the_calls(door: str, stack: Stack, receiver: OtlpReceiver) -> None:
-    trace_id = "%032x" % int.from_bytes(__import__("os").urandom(16))
+    trace_id = "{:032x}".format(int.from_bytes(__import__("os").urandom(16)))
     before = counter_total(httpx.get(door.removesuffix("/v1") + "/metrics").text, "epd_door_client_disconnects_total")
     payload = {
-        "model": MODEL, "temperature": 0, "max_tokens": 4000, "stream": True,
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 4000,
+        "stream": True,
         "messages": [{"role": "user", "content": _openai_content("image")}],
     }
     headers = {"traceparent": f"00-{trace_id}-{'1' * 16}-01"}
@@ -226,8 +257,12 @@ def test_disconnect_mid_stream_cancels_the_calls(door: str, stack: Stack, receiv
             if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
                 break  # one token arrived: generation is under way; closing the response disconnects
     wait_for(
-        lambda: counter_total(httpx.get(door.removesuffix("/v1") + "/metrics").text, "epd_door_client_disconnects_total") > before,
-        60, "the door counting the disconnect",
+        lambda: (
+            counter_total(httpx.get(door.removesuffix("/v1") + "/metrics").text, "epd_door_client_disconnects_total")
+            > before
+        ),
+        60,
+        "the door counting the disconnect",
     )
     spans = trace_spans(receiver, trace_id, lambda s: any(x.name == "GenerateService/Generate" for x in s))
     router = next(s for s in spans if s.name == "GenerateService/Generate")
@@ -237,11 +272,24 @@ def test_disconnect_mid_stream_cancels_the_calls(door: str, stack: Stack, receiv
 
 @pytest.mark.timeout(300)
 def test_one_trace_from_http_to_decode(door: str, receiver: OtlpReceiver) -> None:
-    trace_id = "%032x" % int.from_bytes(__import__("os").urandom(16))
-    payload = {"model": MODEL, "temperature": 0, "max_tokens": 4, "messages": [{"role": "user", "content": _openai_content("image")}]}
-    reply = httpx.post(f"{door}/chat/completions", json=payload, headers={"traceparent": f"00-{trace_id}-{'2' * 16}-01"}, timeout=120)
+    trace_id = "{:032x}".format(int.from_bytes(__import__("os").urandom(16)))
+    payload = {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": _openai_content("image")}],
+    }
+    reply = httpx.post(
+        f"{door}/chat/completions", json=payload, headers={"traceparent": f"00-{trace_id}-{'2' * 16}-01"}, timeout=120
+    )
     assert reply.status_code == 200
-    wanted = {"POST /v1/chat/completions", "GenerateService/Generate", "EncoderService/Encode", "PrefillService/Prefill", "DecodeService/Decode"}
+    wanted = {
+        "POST /v1/chat/completions",
+        "GenerateService/Generate",
+        "EncoderService/Encode",
+        "PrefillService/Prefill",
+        "DecodeService/Decode",
+    }
     spans = trace_spans(receiver, trace_id, lambda s: wanted <= {x.name for x in s})
     door_span = next(s for s in spans if s.name == "POST /v1/chat/completions")
     router = next(s for s in spans if s.name == "GenerateService/Generate")

@@ -9,6 +9,7 @@ phases and a row in `epd trace report`."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -258,7 +259,7 @@ def test_openai_transcriptions_equal_generate(whisper_path: Path, door_url: str)
     segments = verbose.segments or []
     assert len(segments) >= 2
     assert all(s.start <= s.end for s in segments)
-    assert all(a.end <= b.start + 1e-6 for a, b in zip(segments, segments[1:], strict=False))
+    assert all(a.end <= b.start + 1e-6 for a, b in itertools.pairwise(segments))
     assert segments[-1].end <= verbose.duration + 0.5 and verbose.duration > 30
     assert "".join(s.text for s in segments).strip() == verbose.text
     with pytest.raises(openai.BadRequestError) as caught:

@@ -55,9 +55,7 @@ class AudioUrlPart(Body):
     audio_url: AudioUrl
 
 
-Part = Annotated[
-    TextPart | ImagePart | VideoPart | InputAudioPart | AudioUrlPart, pydantic.Field(discriminator="type")
-]
+Part = Annotated[TextPart | ImagePart | VideoPart | InputAudioPart | AudioUrlPart, pydantic.Field(discriminator="type")]
 MediaPart = ImagePart | VideoPart | InputAudioPart | AudioUrlPart
 
 
@@ -82,9 +80,9 @@ class ChatCompletionRequest(SamplingFields):
     user: str | None = None  # accepted (OpenAI: the end user, for abuse monitoring); not used
 
     def token_budget(self) -> int | None:
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            if self.max_tokens != self.max_completion_tokens:
-                raise invalid("max_tokens", "differs from max_completion_tokens; send one of them")
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise invalid("max_tokens", "differs from max_completion_tokens; send one of them")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def logprob_count(self) -> int | None:
@@ -128,14 +126,14 @@ def media_parts(body: ChatCompletionRequest) -> list[tuple[str, MediaPart]]:
         for j, part in enumerate(message.content):
             if not isinstance(part, TextPart):
                 if message.role != "user":
-                    raise invalid(f"messages[{i}].content[{j}]", f"media parts belong in user messages, not {message.role}")
+                    raise invalid(
+                        f"messages[{i}].content[{j}]", f"media parts belong in user messages, not {message.role}"
+                    )
                 found.append((f"messages[{i}].content[{j}]", part))
     return found
 
 
-def messages_to_wire(
-    body: ChatCompletionRequest, media: dict[str, media_pb2.MediaItem]
-) -> list[chat_pb2.ChatMessage]:
+def messages_to_wire(body: ChatCompletionRequest, media: dict[str, media_pb2.MediaItem]) -> list[chat_pb2.ChatMessage]:
     """The conversation with each media part replaced by its fetched item (keyed by field path)."""
     out = []
     for i, message in enumerate(body.messages):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,8 +83,8 @@ def from_rpc(exc: grpc.aio.AioRpcError) -> ApiError:
     status = _HTTP_BY_CODE.get(code, 500)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(m in message for m in _TOO_LARGE_MARKERS):
         status = 413
-    trailers = {k: v for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str)}
-    param = trailers.get(ERROR_FIELD_METADATA_KEY)
+    trailers: Iterable[Any] = exc.trailing_metadata() or ()
+    param = next((str(v) for k, v in trailers if k == ERROR_FIELD_METADATA_KEY and isinstance(v, str)), None)
     reason = reason_of(exc)
     headers = {}
     if status == 429 or (status == 503 and reason in (Reason.DRAINING, Reason.ENGINE_RESTARTING, Reason.OVERLOADED)):
