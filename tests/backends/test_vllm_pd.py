@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from libs.contract.epd.v1 import (
 from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
 from libs.runtime.media import synthetic
+from tests.support.openai_door import disconnect_mid_stream, openai_messages, running_door, traceparent
 from tests.support.vllm_stack import (
     TokenStream,
     call,
@@ -257,3 +259,45 @@ def test_sigterm_drains_streams_in_flight_then_exits(vllm_epd_stack: Stack) -> N
         if name.startswith("encoder"):
             pool = run(stats, process.address).pool
             assert pool.slots_in_use == pool.active_leases == 0, name
+
+
+@pytest.fixture(scope="module")
+def door_url(vllm_epd_stack: Stack, omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The OpenAI door in front of the vLLM stack's router."""
+    with running_door(vllm_epd_stack.address, omni_tiny, tmp_path_factory.mktemp("vllm-door")) as address:
+        yield f"http://{address}/v1"
+
+
+@pytest.mark.parametrize("mix", ["image", "audio", "two_images"])
+def test_the_openai_door_answers_what_generate_answers(vllm_epd_stack: Stack, door_url: str, mix: str) -> None:
+    """Through the door, vLLM's answer is the gRPC path's, whole and streamed (the openai client)."""
+    import openai
+
+    client = openai.OpenAI(base_url=door_url, api_key="unused", max_retries=0, timeout=120)
+    messages: Any = openai_messages(request(MIXES[mix], max_tokens=8))
+    whole = client.chat.completions.create(model=omni_tiny_name(), temperature=0, max_tokens=8, messages=messages)
+    chunks = client.chat.completions.create(
+        model=omni_tiny_name(),
+        temperature=0,
+        max_tokens=8,
+        messages=messages,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    streamed = [c for c in chunks]
+    expected = call(vllm_epd_stack.address, request(MIXES[mix], max_tokens=8)).text
+    assert whole.choices[0].message.content == expected
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected
+    assert streamed[-1].usage is not None and whole.usage is not None
+    assert streamed[-1].usage.completion_tokens == whole.usage.completion_tokens
+    _wait_empty(vllm_epd_stack)
+
+
+def test_a_client_leaving_the_door_mid_stream_frees_vllm(vllm_epd_stack: Stack, door_url: str) -> None:
+    _, headers = traceparent()
+    disconnect_mid_stream(door_url, omni_tiny_name(), openai_messages(request(MIXES["image"])), headers)
+    _wait_empty(vllm_epd_stack)
+
+
+def omni_tiny_name() -> str:
+    return "qwen2_5_omni-tiny"

@@ -8,7 +8,7 @@ import base64
 import socket
 from collections.abc import Iterator
 from concurrent import futures
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from libs.contract.epd.v1 import generate_pb2, generate_pb2_grpc
 from libs.contract.reasons import STATUS_DETAILS_KEY, Reason, status_details
 from libs.launch.process import ServiceProcess
 from libs.rpc.certs import LocalCa, write_material
+from tests.support.openai_door import running_door
 
 pytestmark = pytest.mark.integration
 
@@ -27,19 +28,8 @@ MODEL = "var/models/qwen2_5_omni-tiny"
 CHAT = {"model": "qwen2_5_omni-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 
 
-@contextmanager
-def door(tmp_path: Path, router: str, *extra: str) -> Iterator[str]:
-    process = ServiceProcess(
-        name="openai_door",
-        module="services.openai_door",
-        args=["--router", router, "--model", MODEL, *extra],
-        log_path=tmp_path / "openai_door.log",
-    )
-    process.start()
-    try:
-        yield process.wait_ready(60)
-    finally:
-        assert process.stop() == 0, process.log_tail()
+def door(tmp_path: Path, router: str, *extra: str) -> AbstractContextManager[str]:
+    return running_door(router, MODEL, tmp_path, *extra)
 
 
 def _free_port() -> int:

@@ -16,19 +16,16 @@ import httpx
 import openai
 import pytest
 
-from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack
-from libs.runtime.types import Modality
 from libs.telemetry.spans import OtlpReceiver
-from tests.support.metrics import counter_total
-from tests.support.stacks import MIXES, run_requests, wait_for, wait_pools_empty
+from tests.support.golden import request_for
+from tests.support.openai_door import disconnect_mid_stream, openai_messages, running_door, traceparent
+from tests.support.stacks import MIXES, run_requests, wait_pools_empty
 from tests.support.tracing import trace_spans, tracing_env
 
 pytestmark = pytest.mark.stack
 
 MODEL = "qwen2_5_omni-tiny"
-_MIME = {Modality.IMAGE: "image/png", Modality.VIDEO: "video/mp4", Modality.AUDIO: "audio/wav"}
-_PART = {Modality.IMAGE: "image_url", Modality.VIDEO: "video_url"}
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +38,11 @@ def door(
     stack: Stack, model_path: Path, receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """The door as its own process in front of the session's E/P/D router; yields its base URL."""
-    process = ServiceProcess(
-        name="openai_door",
-        module="services.openai_door",
-        args=["--router", stack.address, "--model", str(model_path), "--fetch-allow-private"],
-        log_path=tmp_path_factory.mktemp("door") / "openai_door.log",
-        env=tracing_env(receiver),
-    )
-    process.start()
-    try:
-        address = process.wait_ready(60)
+    log_dir = tmp_path_factory.mktemp("door")
+    with running_door(
+        stack.address, model_path, log_dir, "--fetch-allow-private", env=tracing_env(receiver)
+    ) as address:
         yield f"http://{address}/v1"
-    finally:
-        assert process.stop() == 0, process.log_tail()
 
 
 @pytest.fixture(scope="module")
@@ -103,53 +92,30 @@ def media_url() -> Iterator[Callable[[str, bytes, str], str]]:
     thread.join(10)
 
 
-def _openai_content(mix_name: str, url_of: Callable[[int], str] | None = None) -> list[dict[str, Any]]:
-    """The golden mix as OpenAI content parts: media as data URLs (or `url_of(i)`), in prompt order."""
-    mix = MIXES[mix_name]
-    parts: list[dict[str, Any]] = []
-    for part in mix.parts:
-        if isinstance(part, str):
-            parts.append({"type": "text", "text": part})
-            continue
-        media = mix.media[part]
-        if media.modality == Modality.AUDIO:
-            parts.append(
-                {"type": "input_audio", "input_audio": {"data": base64.b64encode(media.data).decode(), "format": "wav"}}
-            )
-            continue
-        url = url_of(part) if url_of else f"data:{_MIME[media.modality]};base64,{base64.b64encode(media.data).decode()}"
-        kind = _PART[media.modality]
-        parts.append({"type": kind, kind: {"url": url}})
-    return parts
-
-
-def _grpc_text(stack: Stack, mix_name: str, max_tokens: int) -> str:
-    from tests.support.golden import request_for
-
-    request = request_for(MIXES[mix_name], max_tokens=max_tokens)
-    return run_requests(stack.address, [request])[0].text
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mix_name", sorted(MIXES))
 def test_chat_matches_the_grpc_path(client: openai.OpenAI, stack: Stack, mix_name: str) -> None:
-    reply = client.chat.completions.create(
-        model=MODEL, temperature=0, max_tokens=8, messages=[{"role": "user", "content": _openai_content(mix_name)}]
+    """The same request through the door and over gRPC: the same text, the same token counts (the
+    prompt's include the media placeholders)."""
+    request = request_for(MIXES[mix_name], max_tokens=8)
+    direct = run_requests(stack.address, [request])[0]
+    reply = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=openai_messages(request))
+    assert reply.choices[0].message.content == direct.text
+    assert (
+        reply.choices[0].finish_reason
+        == {"FINISH_REASON_STOP": "stop", "FINISH_REASON_LENGTH": "length"}[direct.finish_reason]
     )
-    assert reply.choices[0].message.content == _grpc_text(stack, mix_name, 8)
-    assert reply.choices[0].finish_reason in ("stop", "length")
-    assert (reply.usage is not None and reply.usage.completion_tokens == 8) or reply.choices[0].finish_reason == "stop"
-    media = len(MIXES[mix_name].media)
-    # Prompt tokens count the media placeholders: far more than the text alone.
-    assert reply.usage is not None and reply.usage.prompt_tokens > 10 + 4 * media
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (direct.prompt_tokens, len(direct.token_ids))
+    if MIXES[mix_name].media:
+        text_only = run_requests(stack.address, [request_for(MIXES["text"], max_tokens=1)])[0]
+        assert reply.usage.prompt_tokens > text_only.prompt_tokens + len(MIXES[mix_name].media)
 
 
 @pytest.mark.timeout(300)
 def test_streamed_equals_whole_and_ends_with_usage(client: openai.OpenAI) -> None:
-    content = _openai_content("image")
-    whole = client.chat.completions.create(
-        model=MODEL, temperature=0, max_tokens=12, messages=[{"role": "user", "content": content}]
-    )
+    messages = openai_messages(request_for(MIXES["image"]))
+    whole = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=messages)
     chunks = list(
         client.chat.completions.create(
             model=MODEL,
@@ -157,7 +123,7 @@ def test_streamed_equals_whole_and_ends_with_usage(client: openai.OpenAI) -> Non
             max_tokens=12,
             stream=True,
             stream_options={"include_usage": True},
-            messages=[{"role": "user", "content": content}],
+            messages=messages,
         )
     )
     assert chunks[0].choices and chunks[0].choices[0].delta.role == "assistant"
@@ -241,29 +207,8 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
 
 @pytest.mark.timeout(300)
 def test_disconnect_mid_stream_cancels_the_calls(door: str, stack: Stack, receiver: OtlpReceiver) -> None:
-    trace_id = "{:032x}".format(int.from_bytes(__import__("os").urandom(16)))
-    before = counter_total(httpx.get(door.removesuffix("/v1") + "/metrics").text, "epd_door_client_disconnects_total")
-    payload = {
-        "model": MODEL,
-        "temperature": 0,
-        "max_tokens": 4000,
-        "stream": True,
-        "messages": [{"role": "user", "content": _openai_content("image")}],
-    }
-    headers = {"traceparent": f"00-{trace_id}-{'1' * 16}-01"}
-    with httpx.stream("POST", f"{door}/chat/completions", json=payload, headers=headers, timeout=120) as reply:
-        assert reply.status_code == 200
-        for line in reply.iter_lines():
-            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
-                break  # one token arrived: generation is under way; closing the response disconnects
-    wait_for(
-        lambda: (
-            counter_total(httpx.get(door.removesuffix("/v1") + "/metrics").text, "epd_door_client_disconnects_total")
-            > before
-        ),
-        60,
-        "the door counting the disconnect",
-    )
+    trace_id, headers = traceparent()
+    disconnect_mid_stream(door, MODEL, openai_messages(request_for(MIXES["image"])), headers)
     spans = trace_spans(receiver, trace_id, lambda s: any(x.name == "GenerateService/Generate" for x in s))
     router = next(s for s in spans if s.name == "GenerateService/Generate")
     assert router.attributes.get("rpc.grpc.status_code") == 1, router.attributes  # CANCELLED
@@ -272,16 +217,14 @@ def test_disconnect_mid_stream_cancels_the_calls(door: str, stack: Stack, receiv
 
 @pytest.mark.timeout(300)
 def test_one_trace_from_http_to_decode(door: str, receiver: OtlpReceiver) -> None:
-    trace_id = "{:032x}".format(int.from_bytes(__import__("os").urandom(16)))
+    trace_id, headers = traceparent()
     payload = {
         "model": MODEL,
         "temperature": 0,
         "max_tokens": 4,
-        "messages": [{"role": "user", "content": _openai_content("image")}],
+        "messages": openai_messages(request_for(MIXES["image"])),
     }
-    reply = httpx.post(
-        f"{door}/chat/completions", json=payload, headers={"traceparent": f"00-{trace_id}-{'2' * 16}-01"}, timeout=120
-    )
+    reply = httpx.post(f"{door}/chat/completions", json=payload, headers=headers, timeout=120)
     assert reply.status_code == 200
     wanted = {
         "POST /v1/chat/completions",
@@ -293,6 +236,6 @@ def test_one_trace_from_http_to_decode(door: str, receiver: OtlpReceiver) -> Non
     spans = trace_spans(receiver, trace_id, lambda s: wanted <= {x.name for x in s})
     door_span = next(s for s in spans if s.name == "POST /v1/chat/completions")
     router = next(s for s in spans if s.name == "GenerateService/Generate")
-    assert door_span.parent_id == "2" * 16
+    assert door_span.parent_id == headers["traceparent"].split("-")[2]
     assert router.trace_id == trace_id and router.parent_id  # under the door's client call
     assert door_span.start_ns <= router.start_ns and router.end_ns <= door_span.end_ns

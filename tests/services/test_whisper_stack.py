@@ -25,6 +25,7 @@ from libs.runtime.checkpoints.generate import ensure_converted
 from libs.serving.speech import SPEECH_TRANSCRIPTION
 from tests.support.epd_cli import parse_table, run_epd
 from tests.support.metrics import counter_total
+from tests.support.openai_door import running_door
 from tests.support.release_tree import release_checkout
 from tests.support.speech_corpus import UTTERANCES, utterance
 from tests.support.stacks import run_requests
@@ -223,17 +224,8 @@ def test_same_clip_twice_is_a_cache_hit_and_traced(whisper_path: Path, tmp_path:
 @pytest.fixture(scope="module")
 def door_url(whisper_path: Path, whisper_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The OpenAI door in front of the Whisper stack's router."""
-    process = ServiceProcess(
-        name="openai_door",
-        module="services.openai_door",
-        args=["--router", whisper_stack.address, "--model", str(whisper_path)],
-        log_path=tmp_path_factory.mktemp("whisper-door") / "openai_door.log",
-    )
-    process.start()
-    try:
-        yield f"http://{process.wait_ready(60)}/v1"
-    finally:
-        assert process.stop() == 0, process.log_tail()
+    with running_door(whisper_stack.address, whisper_path, tmp_path_factory.mktemp("whisper-door")) as address:
+        yield f"http://{address}/v1"
 
 
 @pytest.mark.timeout(600)
