@@ -17,7 +17,7 @@ from libs.runtime.sampling import (
     top_logprobs,
     uses_penalties,
 )
-from libs.runtime.stopping import TextStream
+from libs.runtime.stopping import TextStream, token_text
 from libs.runtime.types import FinishReason, SamplingParams, TokenChunk, TokenLogprob, TokenLogprobs
 
 
@@ -91,7 +91,7 @@ class Sequence:
         chosen, top = top_logprobs(logits, token, k)
 
         def entry(token_id: int, logprob: float) -> TokenLogprob:
-            return TokenLogprob(token_id, logprob, str(self.tokenizer.decode([token_id])))
+            return TokenLogprob(token_id, logprob, token_text(self.tokenizer, token_id, self.sampled))
 
         return [TokenLogprobs(entry(token, chosen), tuple(entry(i, v) for i, v in top))]
 

@@ -70,3 +70,31 @@ class TextStream:
         out = self.text[self.released :]
         self.released = len(self.text)
         return out
+
+
+def token_text(tokenizer: Any, token_id: int, context: list[int]) -> str:
+    """A token decoded alone, as vLLM reports it in log-probabilities (vllm/v1/engine/logprobs.py
+    `_correct_decoded_token`): a token that ends inside a multi-byte character is decoded with up to
+    4 preceding generated tokens (`context`); the completing token carries the character (less the
+    text of the clean tokens before it), an incomplete one is ""."""
+    text = str(tokenizer.decode([token_id]))
+    if not text.endswith("\ufffd"):
+        return text
+    for count in range(1, min(len(context), 4) + 1):
+        window = context[-count:]
+        full = str(tokenizer.decode([*window, token_id]))
+        if full.endswith("\ufffd"):
+            continue
+        clean_end = len(window)
+        while clean_end > 0 and str(tokenizer.decode([window[clean_end - 1]])).endswith("\ufffd"):
+            clean_end -= 1
+        prefix = str(tokenizer.decode(window[:clean_end])) if clean_end else ""
+        if full.startswith(prefix):
+            return full[len(prefix) :]
+        common = 0
+        for a, b in zip(prefix, full, strict=False):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+    return ""

@@ -37,9 +37,11 @@ from libs.contract.epd.v1 import (
 )
 from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
+from libs.runtime import types as eng
 from libs.runtime.media import synthetic
 from tests.support.openai_door import disconnect_mid_stream, openai_messages, running_door, traceparent
 from tests.support.vllm_stack import (
+    TOKENS,
     TokenStream,
     call,
     cancel_after_chunks,
@@ -48,6 +50,7 @@ from tests.support.vllm_stack import (
     health,
     mixes,
     probe_until_refused,
+    reference_result,
     reference_tokens,
     release,
     request,
@@ -111,6 +114,37 @@ def test_tokens_equal_the_reference_runtime(vllm_epd_stack: Stack, expected: dic
     result = call(vllm_epd_stack.address, request(MIXES[mix]))
     assert result.token_ids == expected[mix]
     assert result.completion_tokens == len(expected[mix])
+    _wait_empty(vllm_epd_stack)
+
+
+def test_contract_1_6_sampling_equals_the_reference_runtime(vllm_epd_stack: Stack, omni_tiny: Path) -> None:
+    """The penalties, min_tokens (holding a stop token id back), ignore_eos and logprobs in one
+    request on vLLM's one engine: the reference runtime's tokens and log-probabilities."""
+    greedy = reference_tokens(omni_tiny, MIXES["image"])
+    at = next(i for i in range(2, len(greedy) - 2) if greedy[i] not in greedy[:i])
+    fields: dict[str, Any] = {
+        "repetition_penalty": 1.2,
+        "frequency_penalty": 0.4,
+        "presence_penalty": -0.2,
+        "min_tokens": at + 2,
+        "ignore_eos": True,
+        "logprobs": 2,
+    }
+    want, want_logprobs = reference_result(
+        omni_tiny,
+        MIXES["image"],
+        eng.SamplingParams(max_tokens=TOKENS, stop_token_ids=(greedy[at],), **fields),
+    )
+    req: Any = request(MIXES["image"])
+    req.sampling.stop_token_ids.append(greedy[at])
+    for key, value in fields.items():
+        setattr(req.sampling, key, value)
+    result = call(vllm_epd_stack.address, req)
+    assert result.token_ids == want
+    assert [e.chosen.token for e in result.logprobs] == [e.chosen.token for e in want_logprobs]
+    for ours, theirs in zip(want_logprobs, result.logprobs, strict=True):
+        assert [t.token_id for t in theirs.top] == [t.token_id for t in ours.top]
+        assert theirs.chosen.logprob == pytest.approx(ours.chosen.logprob, abs=1e-3)
     _wait_empty(vllm_epd_stack)
 
 

@@ -202,3 +202,21 @@ def test_logprobs_come_with_every_token_and_penalties_need_every_generated_token
             last_token_id=1,
         )
     assert info.value.field == "decode_state.generated_tokens"
+
+
+class _ByteTokenizer:
+    """Token i is the byte i (a character of several bytes takes several tokens)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.unit
+def test_a_token_inside_a_multibyte_character_reports_empty_text_and_the_last_one_the_character() -> None:
+    from libs.runtime.stopping import token_text
+
+    tokenizer = _ByteTokenizer()
+    first, second = "é".encode()  # two bytes: two tokens
+    assert token_text(tokenizer, ord("a"), []) == "a"
+    assert token_text(tokenizer, first, [ord("a")]) == ""  # incomplete: vLLM reports ""
+    assert token_text(tokenizer, second, [ord("a"), first]) == "é"  # the completing token carries it

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from libs.client.generate import GenerationResult
 from libs.contract.epd.v1 import generate_pb2
 from libs.launch.stack import Stack
+from libs.runtime.stopping import token_text
 from tests.support.golden import request_for
 from tests.support.reference import load_reference, reference_inputs
 from tests.support.stacks import MIXES, layout_slug, run_requests
@@ -208,13 +209,13 @@ def test_logprobs_are_the_raw_log_softmax_of_transformers_logits(
     out, prompt_len = _hf_generate(model_path, "image", output_logits=True)
     tokens = out.sequences[0, prompt_len:].tolist()
     raw = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
-    decode = _tokenizer(model_path).decode
+    tokenizer = _tokenizer(model_path)
     for layout in LAYOUTS:
         result = _one(stacks(layout), _request("image", f"logprobs-{layout_slug(layout)}", logprobs=3))
         assert result.token_ids == tokens, layout
         assert len(result.logprobs) == len(tokens), layout  # one per token, across the P->D handoff
         for step, (token, entry) in enumerate(zip(tokens, result.logprobs, strict=True)):
-            assert entry.chosen.token_id == token and entry.chosen.token == decode([token])
+            assert entry.chosen.token_id == token and entry.chosen.token == token_text(tokenizer, token, tokens[:step])
             assert entry.chosen.logprob == pytest.approx(float(raw[step][token]), abs=2e-3), (layout, step)
             assert [t.token_id for t in entry.top] == torch.topk(raw[step], 3).indices.tolist(), (layout, step)
             assert [t.logprob for t in entry.top] == sorted((t.logprob for t in entry.top), reverse=True)

@@ -104,7 +104,10 @@ class TokenLogprob(_message.Message):
     (log-softmax of the logits, before temperature and penalties), <= 0, in nats.
     """
     token: _builtins.str
-    """Text of this token decoded alone (UTF-8; a token that ends mid-character decodes to U+FFFD)."""
+    """Text of this token decoded alone (UTF-8). A token inside a character split over several tokens
+    is "" and the one completing it carries the character (vLLM's: decoded with up to 4 preceding
+    generated tokens).
+    """
     def __init__(
         self,
         *,
