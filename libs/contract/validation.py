@@ -345,6 +345,11 @@ def validate_messages(messages: Sequence[chat_pb2.ChatMessage], path: str, limit
     router (client media) or "encoded" at prefill (metadata-only references)."""
     _check_count(messages, path, 1, limits.max_messages)
     forbidden = "encoded" if media_kind == "media" else "media"
+    if raw_prompt(messages):
+        if len(messages) != 1:
+            raise _fail(path, "a raw prompt (CHAT_ROLE_RAW) is the only message of its request")
+        if any(part.WhichOneof("kind") != "text" for part in messages[0].parts):
+            raise _fail(f"{path}[0].parts", "a raw prompt (CHAT_ROLE_RAW) holds text parts only")
     media_count = 0
     for m, message in enumerate(messages):
         mpath = f"{path}[{m}]"
@@ -431,6 +436,14 @@ def uses_since_1_6(sampling: sampling_pb2.SamplingParams) -> str | None:
         if present:
             return name
     return None
+
+
+# Contract 1.6: prefill and PD services that take a raw prompt (CHAT_ROLE_RAW) advertise this.
+RAW_PROMPT_CAPABILITY = "prompt.raw"
+
+
+def raw_prompt(messages: Sequence[chat_pb2.ChatMessage]) -> bool:
+    return any(message.role == chat_pb2.CHAT_ROLE_RAW for message in messages)
 
 
 # Contract 1.6: advertised by prefill, decode and PD services that implement these fields; the

@@ -9,7 +9,7 @@ from typing import Any
 
 from libs.backends.api import Backend, EngineLeases
 from libs.contract.epd.v1 import service_info_pb2
-from libs.contract.validation import SAMPLING_CAPABILITY
+from libs.contract.validation import RAW_PROMPT_CAPABILITY, SAMPLING_CAPABILITY
 from libs.hosting.servicers import engine_lease_servicer, lease_servicer, stats_servicer
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission
@@ -27,7 +27,9 @@ def _sampling(role: service_info_pb2.ServiceRole.ValueType) -> tuple[str, ...]:
         service_info_pb2.SERVICE_ROLE_DECODE,
         service_info_pb2.SERVICE_ROLE_PREFILL_DECODE,
     )
-    return (SAMPLING_CAPABILITY,) if role in generating else ()
+    prompting = (service_info_pb2.SERVICE_ROLE_PREFILL, service_info_pb2.SERVICE_ROLE_PREFILL_DECODE)
+    raw = (RAW_PROMPT_CAPABILITY,) if role in prompting else ()
+    return (SAMPLING_CAPABILITY, *raw) if role in generating else ()
 
 
 def backend_info(

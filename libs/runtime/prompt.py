@@ -7,7 +7,7 @@ from typing import Any
 
 from libs.runtime.errors import EmbeddingMismatchError, InvalidRequestError, UnsupportedModalityError
 from libs.runtime.families.base import FamilyAdapter, PlacedItem
-from libs.runtime.types import ChatMessage, EncodedItem, EncodedPart, TextPart
+from libs.runtime.types import ChatMessage, ChatRole, EncodedItem, EncodedPart, TextPart
 
 
 @dataclass
@@ -15,6 +15,21 @@ class Prompt:
     input_ids: list[int]
     items: list[PlacedItem]  # in prompt order
     encoded: list[EncodedItem]  # same order as `items`
+
+
+def prompt_ids(tokenizer: Any, messages: list[ChatMessage], conversation: list[dict[str, Any]]) -> list[int]:
+    """The conversation through the model's chat template; a raw prompt (one RAW message of text,
+    contract 1.6) tokenized as it is, with the tokenizer's special tokens, as vLLM's completions do."""
+    if any(message.role is ChatRole.RAW for message in messages):
+        if len(messages) != 1:
+            raise InvalidRequestError("a raw prompt is the only message of its request", field="messages")
+        if not all(isinstance(part, TextPart) for part in messages[0].parts):
+            raise InvalidRequestError("a raw prompt holds text parts only", field="messages[0].parts")
+        ids: list[int] = tokenizer.encode("".join(p.text for p in messages[0].parts if isinstance(p, TextPart)))
+        return ids
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    templated: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    return templated
 
 
 def build_prompt(tokenizer: Any, adapter: FamilyAdapter, messages: list[ChatMessage]) -> Prompt:
@@ -47,8 +62,7 @@ def build_prompt(tokenizer: Any, adapter: FamilyAdapter, messages: list[ChatMess
             else:
                 raise InvalidRequestError("unknown content part", field=f"messages[{i}].parts[{j}]")
         conversation.append({"role": message.role.value, "content": content})
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    raw_ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    raw_ids = prompt_ids(tokenizer, messages, conversation)
 
     input_ids: list[int] = []
     items: list[PlacedItem] = []

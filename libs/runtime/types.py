@@ -145,6 +145,7 @@ class ChatRole(enum.Enum):
     SYSTEM = "system"
     USER = "user"
     ASSISTANT = "assistant"
+    RAW = "raw"  # the prompt itself, no chat template (contract 1.6)
 
 
 @dataclass(frozen=True)

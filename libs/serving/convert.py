@@ -242,6 +242,7 @@ _ROLE_TO_ENGINE = {
     chat_pb2.CHAT_ROLE_SYSTEM: eng.ChatRole.SYSTEM,
     chat_pb2.CHAT_ROLE_USER: eng.ChatRole.USER,
     chat_pb2.CHAT_ROLE_ASSISTANT: eng.ChatRole.ASSISTANT,
+    chat_pb2.CHAT_ROLE_RAW: eng.ChatRole.RAW,
 }
 
 

@@ -13,10 +13,10 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import fastapi
 import structlog
@@ -27,10 +27,10 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.datastructures import UploadFile as StarletteUpload
 
-from libs.client.openai import chat, errors, responses, transcription
+from libs.client.openai import chat, completions, errors, responses, transcription
 from libs.client.openai.errors import ApiError
 from libs.client.openai.fields import parse
-from libs.contract.epd.v1 import media_pb2
+from libs.contract.epd.v1 import generate_pb2, generation_pb2, media_pb2
 from libs.fetch import FetchClient, MediaFetchError
 from services.openai_door.calls import Caller
 from services.openai_door.calls import responses as choice_responses
@@ -50,6 +50,19 @@ class DoorConfig:
     tokens: frozenset[str]  # bearer tokens the door accepts (empty: none needed), passed on to the router
     # Id of Whisper's first timestamp token (<|0.00|>) when the stack serves a speech model, else None.
     timestamp_begin: int | None = None
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """How one endpoint answers: its calls, whole or streamed, and its OpenAI objects."""
+
+    caller: Caller
+    n: int  # choices
+    stream: bool
+    include_usage: bool  # a last chunk with the usage and no choices (stream_options.include_usage)
+    whole: Callable[[list[responses.Choice]], dict[str, Any]]
+    chunk: Callable[[int, generation_pb2.TokenChunk, bool], dict[str, Any]]  # (choice, chunk, first)
+    usage: Callable[[list[responses.Choice]], dict[str, Any]]
 
 
 class Metrics:
@@ -185,90 +198,71 @@ def create_app(
         }
         return JSONResponse({"object": "list", "data": [model]})
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: fastapi.Request) -> Response:
-        span_context = propagate.extract(dict(request.headers))
-        token = authorize(request)
-        body: chat.ChatCompletionRequest = parse(chat.ChatCompletionRequest, await body_of(request))
-        check_model(body.model)
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        envelope = responses.Envelope(f"chatcmpl-{request_id}", body.model, int(time.time()))
-        call = Caller(caller.stub, caller.timeout_s, token)
-        media_fields = [chat.source_field(path, part) for path, part in chat.media_parts(body)]
-        with_logprobs = body.logprobs
+    async def answer(
+        request: fastapi.Request,
+        route: str,
+        prepared: Callable[[], Awaitable[list[generate_pb2.GenerateRequest]]],
+        render: Rendering,
+        media_fields: Sequence[str] = (),
+    ) -> Response:
+        """The choices' `Generate` calls, answered whole or as SSE. A stream waits for the router's
+        first answer before its 200 goes out, so a refusal (429, 503, ...) keeps its status; one
+        server span covers the request, to the stream's end."""
+        span = _tracer.start_span(route, context=propagate.extract(dict(request.headers)), kind=SpanKind.SERVER)
         started = time.perf_counter()
+        choices = [responses.Choice(i) for i in range(render.n)]
 
-        async def prepared() -> list[Any]:
-            media = await fetched_media(body)
-            return [
-                chat.generate_request(
-                    body, media, request_id=request_id, choice=i, default_temperature=config.default_temperature
-                )
-                for i in range(body.n)
-            ]
-
-        if not body.stream:
-            with _tracer.start_as_current_span(
-                "POST /v1/chat/completions", context=span_context, kind=SpanKind.SERVER
-            ) as span:
-
-                async def whole() -> dict[str, Any]:
-                    requests = await prepared()
-                    choices = [responses.Choice(i) for i in range(body.n)]
-                    async for index, response in choice_responses(call, requests):
-                        if response.chunk.token_ids and not any(c.chunks for c in choices):
-                            metrics.ttft.observe(time.perf_counter() - started)
-                        choices[index].add(response)
-                    return envelope.chat_completion(choices, with_logprobs)
-
-                try:
-                    return JSONResponse(await _unless_disconnected(request, whole()))
-                except ApiError as exc:
-                    error = errors.relocate(exc, media_fields)
-                    _record(span, error, metrics)
-                    raise error from None
-
-        # Streaming: validate, fetch and wait for the router's first answer before the 200 goes out,
-        # so that a refusal (429, 503, ...) keeps its status. One span covers the request, from here
-        # to the stream's end.
-        span = _tracer.start_span("POST /v1/chat/completions", context=span_context, kind=SpanKind.SERVER)
-        try:
-            with trace.use_span(span):
-                stream = choice_responses(call, await _unless_disconnected(request, prepared()))
-                head = await _unless_disconnected(request, anext(stream, None))
-        except BaseException as exc:
+        def failed(exc: BaseException) -> BaseException:
             if isinstance(exc, ApiError):
                 exc = errors.relocate(exc, media_fields)
                 _record(span, exc, metrics)
+            return exc
+
+        def add(index: int, response: generate_pb2.GenerateResponse) -> bool:
+            """Whether this is the choice's first response."""
+            if response.chunk.token_ids and not any(c.chunks for c in choices):
+                metrics.ttft.observe(time.perf_counter() - started)
+            first = not choices[index].chunks
+            choices[index].add(response)
+            return first
+
+        if not render.stream:
+
+            async def whole() -> dict[str, Any]:
+                async for index, response in choice_responses(render.caller, await prepared()):
+                    add(index, response)
+                return render.whole(choices)
+
+            with trace.use_span(span, end_on_exit=True):
+                try:
+                    return JSONResponse(await _unless_disconnected(request, whole()))
+                except BaseException as exc:
+                    raise failed(exc) from None
+
+        try:
+            with trace.use_span(span):
+                stream = choice_responses(render.caller, await _unless_disconnected(request, prepared()))
+                head = await _unless_disconnected(request, anext(stream, None))
+        except BaseException as exc:
             span.end()
-            raise exc from None
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            raise failed(exc) from None
 
         async def events() -> AsyncIterator[str]:
-            choices = [responses.Choice(i) for i in range(body.n)]
             finished = False
             with trace.use_span(span, end_on_exit=True):
                 try:
                     async for index, response in _prepend(head, stream):
-                        choice = choices[index]
-                        first = not choice.chunks
-                        if first and not any(c.chunks for c in choices):
-                            metrics.ttft.observe(time.perf_counter() - started)
-                        choice.add(response)
+                        first = add(index, response)
                         if response.chunk.text or response.chunk.finish_reason or first:
-                            yield responses.sse(
-                                envelope.chat_chunk(index, response.chunk, first=first, logprobs=with_logprobs)
-                            )
-                    if include_usage:
-                        yield responses.sse(envelope.usage_chunk("chat.completion.chunk", choices))
+                            yield responses.sse(render.chunk(index, response.chunk, first))
+                    if render.include_usage:
+                        yield responses.sse(render.usage(choices))
                     finished = True
                     yield responses.DONE
                 except ApiError as exc:
                     # Past the 200: OpenAI's servers report a mid-stream failure as an error event.
-                    error = errors.relocate(exc, media_fields)
-                    _record(span, error, metrics)
                     finished = True
-                    yield responses.sse(error.body())
+                    yield responses.sse(cast(ApiError, failed(exc)).body())
                     yield responses.DONE
                 finally:
                     if not finished:
@@ -277,6 +271,65 @@ def create_app(
                         metrics.cancelled.inc()
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def request_id_of(request: fastapi.Request) -> str:
+        return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: fastapi.Request) -> Response:
+        token = authorize(request)
+        body: chat.ChatCompletionRequest = parse(chat.ChatCompletionRequest, await body_of(request))
+        check_model(body.model)
+        request_id = request_id_of(request)
+        envelope = responses.Envelope(f"chatcmpl-{request_id}", body.model, int(time.time()))
+
+        async def prepared() -> list[generate_pb2.GenerateRequest]:
+            media = await fetched_media(body)
+            temperature = config.default_temperature
+            return [
+                chat.generate_request(body, media, request_id=request_id, choice=i, default_temperature=temperature)
+                for i in range(body.n)
+            ]
+
+        render = Rendering(
+            caller=Caller(caller.stub, caller.timeout_s, token),
+            n=body.n,
+            stream=body.stream,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            whole=lambda choices: envelope.chat_completion(choices, body.logprobs),
+            chunk=lambda i, chunk, first: envelope.chat_chunk(i, chunk, first=first, logprobs=body.logprobs),
+            usage=lambda choices: envelope.usage_chunk("chat.completion.chunk", choices),
+        )
+        media_fields = [chat.source_field(path, part) for path, part in chat.media_parts(body)]
+        return await answer(request, "POST /v1/chat/completions", prepared, render, media_fields)
+
+    @app.post("/v1/completions")
+    async def text_completions(request: fastapi.Request) -> Response:
+        token = authorize(request)
+        body: completions.CompletionRequest = parse(completions.CompletionRequest, await body_of(request))
+        check_model(body.model)
+        request_id = request_id_of(request)
+        envelope = responses.Envelope(f"cmpl-{request_id}", body.model, int(time.time()))
+        temperature = config.default_temperature
+        requests = [
+            completions.generate_request(body, request_id=request_id, choice=i, default_temperature=temperature)
+            for i in range(body.n)
+        ]
+
+        async def prepared() -> list[generate_pb2.GenerateRequest]:
+            return requests
+
+        with_logprobs = body.logprobs is not None
+        render = Rendering(
+            caller=Caller(caller.stub, caller.timeout_s, token),
+            n=body.n,
+            stream=body.stream,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            whole=lambda choices: envelope.text_completion(choices, with_logprobs),
+            chunk=lambda i, chunk, first: envelope.text_chunk(i, chunk, logprobs=with_logprobs),
+            usage=lambda choices: envelope.usage_chunk("text_completion", choices),
+        )
+        return await answer(request, "POST /v1/completions", prepared, render)
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: fastapi.Request) -> Response:

@@ -5,12 +5,12 @@ prefill, decode and PD stages (`Stages`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from libs.contract import validation
-from libs.contract.epd.v1 import sampling_pb2, service_info_pb2
+from libs.contract.epd.v1 import chat_pb2, sampling_pb2, service_info_pb2
 from libs.contract.errors import InvalidArgument
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from services.router.pool import MemberPool
@@ -71,6 +71,16 @@ class Backends:
                 f"sampling.{field}",
                 f"the {stage} service at {address} does not advertise {validation.SAMPLING_CAPABILITY} "
                 "(contract 1.6): it would ignore the field",
+            )
+
+    def check_prompt(self, address: str, stage: str, messages: Sequence[chat_pb2.ChatMessage]) -> None:
+        """Refuse a raw prompt (CHAT_ROLE_RAW, contract 1.6) for a peer that does not advertise
+        `prompt.raw`: an older one would refuse the role or, worse, template it."""
+        if validation.raw_prompt(messages) and not self.checks.honors(address, validation.RAW_PROMPT_CAPABILITY):
+            raise InvalidArgument(
+                "messages[0].role",
+                f"the {stage} service at {address} does not advertise {validation.RAW_PROMPT_CAPABILITY} "
+                "(contract 1.6): it cannot take a raw prompt",
             )
 
     def priority_for(self, address: str, priority: int) -> int:

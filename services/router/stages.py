@@ -120,6 +120,7 @@ class StageClients:
 
         async def on(address: str) -> AsyncGenerator[prefill_decode_pb2.PrefillDecodeResponse, None]:
             b.check_sampling(address, "prefill-decode", request.sampling)
+            b.check_prompt(address, "prefill-decode", request.messages)
             pd_request.priority = b.priority_for(address, request.priority)
             with calls_under(span):
                 call = stub(address).PrefillDecode(
@@ -184,6 +185,7 @@ class StageClients:
                 async def on(address: str) -> tuple[prefill_pb2.PrefillResponse, str]:
                     span.set_attribute("epd.prefill", address)
                     b.check_sampling(address, "prefill", request.sampling)
+                    b.check_prompt(address, "prefill", request.messages)
                     prefill_request.priority = b.priority_for(address, request.priority)
                     response = await stub(address).Prefill(
                         prefill_request, timeout=remaining(deadline), wait_for_ready=members.wait_for_ready

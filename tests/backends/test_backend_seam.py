@@ -24,7 +24,7 @@ from libs.contract.epd.v1 import (
     stats_pb2,
 )
 from libs.contract.errors import InvalidArgument
-from libs.contract.validation import SAMPLING_CAPABILITY
+from libs.contract.validation import RAW_PROMPT_CAPABILITY, SAMPLING_CAPABILITY
 from libs.hosting.parts import backend_info, backend_parts
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission
@@ -189,7 +189,13 @@ def test_a_service_advertises_and_hosts_what_its_backend_reports() -> None:
     backend = FakePrefill()
     settings = ModelServiceSettings(model=Path("var/models/some-model"))
     info = backend_info(service_info_pb2.SERVICE_ROLE_PREFILL, settings, backend)
-    assert list(info.capabilities) == [ADMISSION_PRIORITY, SAMPLING_CAPABILITY, PAGED_KV, capability("vllm")]
+    assert list(info.capabilities) == [
+        ADMISSION_PRIORITY,
+        SAMPLING_CAPABILITY,
+        RAW_PROMPT_CAPABILITY,
+        PAGED_KV,
+        capability("vllm"),
+    ]
     # Contract 1.6's sampling fields are a generating stage's; an encoder does not advertise them.
     encoder = backend_info(service_info_pb2.SERVICE_ROLE_ENCODER, settings, backend)
     assert SAMPLING_CAPABILITY not in encoder.capabilities

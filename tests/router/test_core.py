@@ -17,13 +17,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from libs.contract.epd.v1 import (
+    chat_pb2,
     encoder_pb2,
+    generate_pb2,
     generation_pb2,
     layout_pb2,
     prefill_decode_pb2,
 )
 from libs.contract.errors import FailedPrecondition, InvalidArgument, Unavailable
-from libs.contract.validation import SAMPLING_CAPABILITY
+from libs.contract.validation import RAW_PROMPT_CAPABILITY, SAMPLING_CAPABILITY
 from services.router.backends import Backends
 from services.router.core import Router
 from services.router.encoders import EncoderPool
@@ -485,3 +487,22 @@ def test_a_contract_1_6_sampling_field_is_refused_for_a_stage_speaking_an_older_
         asyncio.run(h.tokens(request))
     # A request without 1.6 fields still goes to the older stage.
     assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]
+
+
+def test_a_raw_prompt_goes_only_to_a_prefill_advertising_prompt_raw() -> None:
+    h = Harness()
+    h.stages.prefill, h.stages.decode = MemberPool(["p:1"]), MemberPool(["d:1"])
+    advertising: set[str] = set()
+    h.checks.honoring = lambda address, capability: capability == RAW_PROMPT_CAPABILITY and address in advertising
+    request = generate_pb2.GenerateRequest(
+        request_id="raw",
+        messages=[chat_pb2.ChatMessage(role=chat_pb2.CHAT_ROLE_RAW, parts=[chat_pb2.ContentPart(text="Once upon")])],
+    )
+    with pytest.raises(InvalidArgument) as caught:
+        asyncio.run(h.tokens(request))
+    assert caught.value.field == "messages[0].role"
+    assert "prefill service at p:1 does not advertise prompt.raw" in caught.value.problem
+    assert not h.prefill.requests
+    advertising.add("p:1")
+    assert asyncio.run(h.tokens(request)) == [7, 8, 9]
+    assert h.prefill.requests[-1].messages[0].role == chat_pb2.CHAT_ROLE_RAW  # passed on as it is

@@ -31,7 +31,7 @@ from libs.contract.errors import InvalidArgument
 from libs.runtime import types as eng
 from libs.runtime.checkpoint import Checkpoint
 from libs.runtime.families import adapter_for
-from libs.runtime.prompt import build_prompt
+from libs.runtime.prompt import build_prompt, prompt_ids
 from libs.serving import convert
 from libs.transfer import ExpectedTensor
 
@@ -156,8 +156,7 @@ class RequestPlanner:
             }
             for message in engine_messages
         ]
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = prompt_ids(self.tokenizer, engine_messages, conversation)
         specs = {spec.modality: spec for spec in self.expected_specs()}
         descriptors: dict[str, ItemDescriptor] = {}
         uuids: dict[str, list[str]] = {}

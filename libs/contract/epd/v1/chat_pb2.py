@@ -27,7 +27,7 @@ from . import layout_pb2 as epd_dot_v1_dot_layout__pb2
 from . import media_pb2 as epd_dot_v1_dot_media__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x65pd/v1/chat.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/layout.proto\x1a\x12\x65pd/v1/media.proto\"r\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\"\n\x05media\x18\x02 \x01(\x0b\x32\x11.epd.v1.MediaItemH\x00\x12\'\n\x07\x65ncoded\x18\x03 \x01(\x0b\x32\x14.epd.v1.EncodedMediaH\x00\x42\x06\n\x04kind\"Q\n\x0b\x43hatMessage\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.epd.v1.ChatRole\x12\"\n\x05parts\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart*h\n\x08\x43hatRole\x12\x19\n\x15\x43HAT_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43HAT_ROLE_SYSTEM\x10\x01\x12\x12\n\x0e\x43HAT_ROLE_USER\x10\x02\x12\x17\n\x13\x43HAT_ROLE_ASSISTANT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x65pd/v1/chat.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/layout.proto\x1a\x12\x65pd/v1/media.proto\"r\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\"\n\x05media\x18\x02 \x01(\x0b\x32\x11.epd.v1.MediaItemH\x00\x12\'\n\x07\x65ncoded\x18\x03 \x01(\x0b\x32\x14.epd.v1.EncodedMediaH\x00\x42\x06\n\x04kind\"Q\n\x0b\x43hatMessage\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.epd.v1.ChatRole\x12\"\n\x05parts\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart*{\n\x08\x43hatRole\x12\x19\n\x15\x43HAT_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43HAT_ROLE_SYSTEM\x10\x01\x12\x12\n\x0e\x43HAT_ROLE_USER\x10\x02\x12\x17\n\x13\x43HAT_ROLE_ASSISTANT\x10\x03\x12\x11\n\rCHAT_ROLE_RAW\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.chat_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATROLE']._serialized_start=269
-  _globals['_CHATROLE']._serialized_end=373
+  _globals['_CHATROLE']._serialized_end=392
   _globals['_CONTENTPART']._serialized_start=70
   _globals['_CONTENTPART']._serialized_end=184
   _globals['_CHATMESSAGE']._serialized_start=186

@@ -36,6 +36,11 @@ class _ChatRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ChatRole.Val
     """The user."""
     CHAT_ROLE_ASSISTANT: _ChatRole.ValueType  # 3
     """The model (earlier turns)."""
+    CHAT_ROLE_RAW: _ChatRole.ValueType  # 4
+    """Not a turn: the message's text is the prompt itself, tokenized as it is, without the chat
+    template (OpenAI's /v1/completions). Only alone in a conversation, text parts only; served by
+    prefill and PD services that advertise `prompt.raw`. Since contract 1.6.
+    """
 
 class ChatRole(_ChatRole, metaclass=_ChatRoleEnumTypeWrapper):
     """Author of a chat message."""
@@ -48,6 +53,11 @@ CHAT_ROLE_USER: ChatRole.ValueType  # 2
 """The user."""
 CHAT_ROLE_ASSISTANT: ChatRole.ValueType  # 3
 """The model (earlier turns)."""
+CHAT_ROLE_RAW: ChatRole.ValueType  # 4
+"""Not a turn: the message's text is the prompt itself, tokenized as it is, without the chat
+template (OpenAI's /v1/completions). Only alone in a conversation, text parts only; served by
+prefill and PD services that advertise `prompt.raw`. Since contract 1.6.
+"""
 Global___ChatRole: _TypeAlias = ChatRole  # noqa: Y015
 
 @_typing.final
