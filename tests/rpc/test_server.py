@@ -145,6 +145,7 @@ def test_a_service_told_to_fail_stops_without_a_drain_and_exits_with_the_reason(
         asyncio.get_running_loop().call_soon(fail, "vLLM engine failed again after 1 restart(s)")
 
     parts = ServiceParts(servicers=[], info=samples.service_info, close=close, drain=drain, fatal=fatal)
+
     async def scenario() -> SystemExit:
         try:
             async with asyncio.timeout(30):  # not wait_for: a SystemExit out of a task stops the loop

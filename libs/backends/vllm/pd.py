@@ -148,6 +148,7 @@ class VllmPrefillDecode(PrefillDecodeBackend):
 
 async def start(settings: EngineSettings) -> VllmPrefillDecode:
     """Start vLLM's engine (30-50 s on 2 cores): a consumer of the encoders' embeddings."""
+    runtime.refuse_unsupported(settings.model)
     planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
     failure_dir = Path(tempfile.mkdtemp(prefix="epd-vllm-failures-"))
     backend = VllmPrefillDecode(settings, planner, failure_dir)

@@ -270,6 +270,7 @@ class VllmPrefill(PrefillBackend):
 
 async def start(settings: EngineSettings) -> VllmPrefill:
     """Start vLLM's engine (30-50 s on 2 cores): a KV producer, consumer of the encoders' embeddings."""
+    runtime.refuse_unsupported(settings.model)
     planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
     backend = VllmPrefill(settings, planner, Path(tempfile.mkdtemp(prefix="epd-vllm-failures-")))
     await asyncio.to_thread(runtime.import_vllm)  # before the start's clock runs (10-18 s)
