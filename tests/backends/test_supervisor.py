@@ -58,17 +58,25 @@ class Harness:
         self.health: list[bool] = []
         self.fatal: list[str] = []
         self.killed: list[int] = []
-        self.spawned: set[int] = set()
+        self.spawned: set[int] = set()  # live "processes"
+        self.starts = 0
         self.slow_starts = slow_starts  # the first N starts never finish (until released)
         self.release = threading.Event()
+        self.service_queued = 0  # the service's requests handed to the engine
         self.supervisor = EngineSupervisor(
-            self._build, life, poll_s=0.01, processes=lambda: set(self.spawned), kill=self._kill
+            self._build,
+            life,
+            poll_s=0.01,
+            processes=lambda: set(self.spawned),
+            kill=self._kill,
+            queued=lambda: self.service_queued,
         )
 
     def _build(self) -> FakeEngine:
-        pid = 1000 + len(self.spawned)
+        pid = 1000 + self.starts
+        self.starts += 1
         self.spawned.add(pid)  # its processes exist from the start on
-        if len(self.spawned) <= self.slow_starts:
+        if self.starts <= self.slow_starts:
             self.release.wait(30)
             raise RuntimeError("engine core initialization failed (its process was killed)")
         self.built.append(FakeEngine(pid))
@@ -77,6 +85,7 @@ class Harness:
     def _kill(self, pids: Iterable[int]) -> None:
         for pid in pids:
             self.killed.append(pid)
+            self.spawned.discard(pid)
             if self.slow_starts:
                 self.release.set()  # vLLM's start fails once its EngineCore is gone
 
@@ -139,7 +148,11 @@ def test_a_dead_engine_is_refused_reported_and_replaced() -> None:
     asyncio.run(scenario())
 
 
-def test_a_hung_engine_fails_its_requests_is_killed_and_replaced() -> None:
+@pytest.mark.parametrize("counted_by", ["vllm", "service"])
+def test_a_hung_engine_fails_its_requests_is_killed_and_replaced(counted_by: str) -> None:
+    """Work queued as vLLM counts it, or only as the service does (a request waiting on the
+    engine before vLLM added it: its first call's supported-tasks query)."""
+
     async def scenario() -> None:
         harness = Harness(FAST)
         sup = await harness.serve()
@@ -148,7 +161,11 @@ def test_a_hung_engine_fails_its_requests_is_killed_and_replaced() -> None:
         stream = hung.stream()
         hung.outputs.put_nowait("token")
         assert await engine.next(stream, None) == "token"
-        hung.queued, hung.answers = 1, False  # work queued, no output, no probe answer
+        hung.answers = False  # work queued, no output, no probe answer
+        if counted_by == "vllm":
+            hung.queued = 1
+        else:
+            harness.service_queued = 1
         with pytest.raises(Unavailable) as failed:
             await engine.next(stream, None)  # in flight when the watchdog gives the engine up
         assert failed.value.reason == Reason.ENGINE_RESTARTING and "hung" in failed.value.message

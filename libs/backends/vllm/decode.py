@@ -132,7 +132,7 @@ class VllmDecode(DecodeBackend):
         self.weights_digest = planner.checkpoint.weights_digest()
         self._producers = Producers(model_identity(settings, self.weights_digest))
         self._failure_dir = Path(tempfile.mkdtemp(prefix="epd-vllm-decode-"))
-        self.supervisor = EngineSupervisor(self._build, EngineLife.of(settings))
+        self.supervisor = EngineSupervisor(self._build, EngineLife.of(settings), queued=lambda: self._active)
         # Requests beyond vLLM's batch (max_num_seqs = max_batch) wait in admission, not in vLLM: a
         # handoff's lease is checked before vLLM sees it, and vLLM reads the blocks as soon as it
         # takes the request; queued inside vLLM, a lease could expire (blocks reused) before the read.

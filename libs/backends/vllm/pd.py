@@ -52,7 +52,9 @@ class VllmPrefillDecode(PrefillDecodeBackend):
         self._failure_dir = failure_dir
         self._default_max_tokens = 256  # as the reference runtime
         self.supervisor = EngineSupervisor(
-            lambda: runtime.build_engine(settings, failure_dir=failure_dir, ec_consumer=True), EngineLife.of(settings)
+            lambda: runtime.build_engine(settings, failure_dir=failure_dir, ec_consumer=True),
+            EngineLife.of(settings),
+            queued=lambda: self._active,
         )
         # vLLM queues beyond its batch itself, by priority (`scheduling_policy="priority"`), and
         # starts a waiting request in the very step a sequence ends: it runs `max_running`.

@@ -119,7 +119,7 @@ class VllmPrefill(PrefillBackend):
         self.weights_digest = planner.checkpoint.weights_digest()
         self._agents = EncoderAgents(model_identity(settings, self.weights_digest))
         self._failure_dir = failure_dir
-        self.supervisor = EngineSupervisor(self._build, EngineLife.of(settings))
+        self.supervisor = EngineSupervisor(self._build, EngineLife.of(settings), queued=lambda: self._active)
         self.leases: KvLeases = KvLeases(self.supervisor)  # the KV blocks vLLM keeps for decode
         self.address = ""  # this service's, once it listens (the handoff names it)
         self.max_running = settings.max_running

@@ -7,7 +7,9 @@ ways, and the supervisor treats each as a failure of the engine:
   processes (those spawned under this service while it started) are killed.
 - **death**: a bad input that got past validation, a kill, an OOM. vLLM marks the engine
   `errored`; every request in flight fails with `EngineDeadError`.
-- **hang**: work is queued (`get_num_unfinished_requests() > 0`) but the engine makes no progress
+- **hang**: work is queued (requests the service handed to the engine, or vLLM's own count of
+  unfinished ones: a request can wait on the engine before vLLM counts it, e.g. on a first call's
+  supported-tasks query) but the engine makes no progress
   for `engine_hang_timeout_s`: no request output arrives and a probe (an EngineCore utility call,
   answered only between steps, so only by a turning engine loop) gets no answer. A request
   waiting on something outside the engine (a remote KV read) is not a hang: the probe answers.
@@ -228,7 +230,8 @@ def _in_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
 
 class EngineSupervisor:
     """Holds one live engine built by `build` (blocking; run on a thread) and replaces it when it
-    fails (see the module's docstring). `clock`, `processes` and `kill` are seams for tests."""
+    fails (see the module's docstring). `queued` counts the service's requests in the engine;
+    `clock`, `processes` and `kill` are seams for tests."""
 
     def __init__(
         self,
@@ -239,8 +242,10 @@ class EngineSupervisor:
         clock: Callable[[], float] = time.monotonic,
         processes: Callable[[], set[int]] = _descendants,
         kill: Callable[[Iterable[int]], None] = _kill,
+        queued: Callable[[], int] = lambda: 0,
     ) -> None:
         self._build = build
+        self._queued = queued  # the service's requests handed to the engine and not finished
         self.life = life or EngineLife()
         self._policy = RestartPolicy(self.life)
         self._poll_s = poll_s
@@ -292,7 +297,11 @@ class EngineSupervisor:
             engine = self._engine
             if engine is None or self._closing:
                 continue
-            reason = self._failure(engine)
+            try:
+                reason = self._failure(engine)
+            except Exception:  # a watchdog that died silently would leave a hung engine in place
+                _log.exception("vLLM engine watchdog: check failed")
+                continue
             if reason is None:
                 continue
             if not await self._recover(engine, reason):
@@ -305,7 +314,7 @@ class EngineSupervisor:
         hang_s = self.life.hang_timeout_s
         if hang_s <= 0:
             return None
-        queued = int(engine.llm.get_num_unfinished_requests())
+        queued = max(self._queued(), int(engine.llm.get_num_unfinished_requests()))
         now = self._clock()
         if not queued:
             engine.busy = False
@@ -399,11 +408,7 @@ class EngineSupervisor:
         except TimeoutError:
             with lock:
                 abandoned.set()
-            spawned = await asyncio.to_thread(lambda: self._processes() - before)
-            await asyncio.to_thread(self._kill, spawned)
-            # vLLM's start notices its EngineCore died and raises; whatever it returns is shut down.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(pending), _SHUTDOWN_S)
+            spawned = await self._end_start(pending, before)
             raise EngineStartFailed(
                 f"vLLM engine did not start within {timeout:g} s (engine_start_timeout_s); "
                 f"its processes {sorted(spawned)} were ended"
@@ -422,6 +427,28 @@ class EngineSupervisor:
         seconds = round(self._clock() - started, 1)
         _log.info("vLLM engine started", generation=self.generation, seconds=seconds, pids=sorted(pids))
         return Engine(llm, self.generation, tuple(sorted(pids)), self._clock)
+
+    async def _end_start(self, pending: asyncio.Future[Any], before: set[int]) -> set[int]:
+        """Kill what a timed-out start spawned until the start returns: vLLM's start raises once
+        its EngineCore is gone; one still short of spawning it is killed as soon as it does (an
+        engine it still completes shuts itself down: `abandoned`). Bounded; the processes ended."""
+        spawned: set[int] = set()
+        give_up = self._clock() + _SHUTDOWN_S
+        while True:
+            new = await asyncio.to_thread(lambda: self._processes() - before)
+            spawned |= new
+            await asyncio.to_thread(self._kill, new)
+            try:
+                await asyncio.wait_for(asyncio.shield(pending), 1.0)
+            except TimeoutError:
+                if self._clock() < give_up:
+                    continue
+            except Exception:  # the start failed, as it should once its processes are gone
+                pass
+            break
+        late = await asyncio.to_thread(lambda: self._processes() - before)
+        await asyncio.to_thread(self._kill, late)
+        return spawned | late
 
     async def _end(self, engine: Engine, *, kill: bool) -> None:
         """Stop an engine: killed first when it failed (a hung one would not stop; a dead
