@@ -32,6 +32,8 @@ thread (the gRPC aio server's), never concurrently with `close`:
   its `ServiceInfo` and admission.
 - `watch_health(setter)`: once, when the server serves; a backend whose engine can die and come
   back (vLLM) reports SERVING / NOT_SERVING through `setter`.
+- `watch_fatal(fail)`: once, when the server serves; `fail(reason)` ends the service with an
+  error (vLLM: its engine failed more often than its restart bound allows).
 - `serving_at(address)`: once, when the server is bound (producers put the address into handles).
 - the role's call: per request, in the task of the gRPC handler that admitted it. The work runs
   off the loop: the reference runtime on its one `ComputeThread` (model code) and its transport's
@@ -127,6 +129,11 @@ class Backend(Protocol):
 
     def watch_health(self, setter: HealthSetter) -> None:
         """Given the server's health setter once it serves (engines that cannot die ignore it)."""
+        return None
+
+    def watch_fatal(self, fail: Callable[[str], None]) -> None:
+        """Given, once it serves, what ends the service with an error (exit non-zero): a backend
+        whose engine cannot be brought back (vLLM past its restart bound) calls it with the reason."""
         return None
 
     def serving_at(self, address: str) -> None:

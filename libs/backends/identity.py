@@ -3,7 +3,9 @@ Torch-free: the router checks engine pairs at first contact without loading a mo
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 
 from libs.contract.epd.v1 import service_info_pb2
 
@@ -12,6 +14,30 @@ CAPABILITY_PREFIX = "engine."
 # Contract 1.3: prefill fills `KvCache.paged` (the KV stays in its engine's blocks) and decode reads
 # it; advertised by both vLLM services.
 PAGED_KV = "kv.paged_blocks"
+# Checkpoint families (config.json's model_type) an engine must not serve, and why: refused when
+# the service starts (libs/backends/vllm) and by `epd up`'s checks (libs/launch), naming the pair.
+REFUSED: dict[tuple[str, str], str] = {
+    ("vllm", "whisper"): (
+        "vLLM returns empty transcripts for the converted Whisper checkpoint (issue 25); "
+        "serve Whisper on the reference engine (--engine reference)"
+    ),
+}
+
+
+def model_type(model: Path) -> str:
+    """config.json's model_type of a checkpoint directory; empty when it cannot be read (a path
+    that exists only where the service runs, e.g. in a pod)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(config.get("model_type", "")) if isinstance(config, dict) else ""
+
+
+def refusal(engine: str, family: str) -> str | None:
+    """Why `engine` must not serve a checkpoint of `family` (model_type), or None."""
+    why = REFUSED.get((engine, family))
+    return None if why is None else f"--engine {engine} with a {family} checkpoint is refused: {why}"
 
 
 def capability(engine: str) -> str:

@@ -17,7 +17,20 @@ class EngineSettings(ModelServiceSettings):
     engine: Literal["reference", "vllm"] = setting("reference", "engine: the reference runtime or vLLM")
     kv_cache_mib: int = setting(64, "vLLM: KV-cache memory, in MiB (explicit: vLLM would size it from RAM)")
     max_model_len: int = setting(4096, "vLLM: longest prompt + generation, in tokens")
-    engine_start_timeout_s: float = setting(300.0, "vLLM: seconds an engine (re)start may take")
+    engine_start_timeout_s: float = setting(
+        300.0, "vLLM: seconds an engine (re)start may take; past it its processes are killed (a failure)"
+    )
+    engine_hang_timeout_s: float = setting(
+        30.0,
+        "vLLM: seconds an engine with work queued may make no progress (no output, no answer to a probe) "
+        "before it is killed and restarted as hung; 0 disables the watchdog",
+    )
+    engine_max_restarts: int = setting(
+        5, "vLLM: engine restarts allowed within --engine-restart-window-s; one more failure ends the service (exit 1)"
+    )
+    engine_restart_window_s: float = setting(600.0, "vLLM: the window --engine-max-restarts counts in, in seconds")
+    engine_backoff_start_s: float = setting(1.0, "vLLM: wait before a first restart, in seconds (doubles per restart)")
+    engine_backoff_max_s: float = setting(60.0, "vLLM: longest wait before a restart, in seconds")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
+from libs.backends.identity import model_type, refusal
 from libs.cli.router_client import ADDRESS_FILE, DEFAULT_RUN_DIR, UsageError, router_target, stream_to_stdout
 from libs.client.generate import build_request, media_from_file
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
@@ -126,10 +127,13 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
     engine = ns.engine or "reference"
     if engine == "vllm" and layout == "colocated":
         raise SystemExit("epd: --engine vllm serves the e+pd or e/p/d layout, not colocated")
+    model = ensure_model(ns.model or DEFAULT_MODEL)
+    if (why := refusal(engine, model_type(model))) is not None:
+        raise SystemExit(f"epd: {why}")
     return StackSpec(
         layout=layout,
         encoders=2 if ns.encoders is None else ns.encoders,
-        model=ensure_model(ns.model or DEFAULT_MODEL),
+        model=model,
         run_dir=ns.run_dir,
         env=env,
         cache_store=bool(ns.cache_store),

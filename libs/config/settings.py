@@ -160,6 +160,26 @@ def _check_ranges(settings: Any) -> None:
     chunk = getattr(settings, "prefill_chunk_tokens", 1)
     if chunk < 1:
         raise SettingsError(f"{flag_name('prefill_chunk_tokens')}: {chunk} is not a positive number of tokens")
+    _check_engine_life(settings)
+
+
+def _check_engine_life(settings: Any) -> None:
+    """The vLLM engine-life settings (libs/backends/settings.py), where a service has them."""
+    if not hasattr(settings, "engine_start_timeout_s"):
+        return
+    positive = ("engine_start_timeout_s", "engine_restart_window_s", "engine_backoff_start_s")
+    for name in positive:
+        if not getattr(settings, name) > 0:
+            raise SettingsError(f"{flag_name(name)}: {getattr(settings, name)} is not a positive number of seconds")
+    if settings.engine_hang_timeout_s < 0:
+        raise SettingsError(f"{flag_name('engine_hang_timeout_s')}: {settings.engine_hang_timeout_s} is negative")
+    if settings.engine_max_restarts < 0:
+        raise SettingsError(f"{flag_name('engine_max_restarts')}: {settings.engine_max_restarts} is negative")
+    if settings.engine_backoff_max_s < settings.engine_backoff_start_s:
+        raise SettingsError(
+            f"{flag_name('engine_backoff_max_s')}: {settings.engine_backoff_max_s} is less than "
+            f"{flag_name('engine_backoff_start_s')} {settings.engine_backoff_start_s}"
+        )
 
 
 def main_settings(cls: type[T], prog: str) -> T:

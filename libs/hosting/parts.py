@@ -79,6 +79,7 @@ def backend_parts(
         drain=drainer(*lanes, held_leases=_held(transport, leases)),
         on_started=backend.serving_at,
         health=backend.watch_health,
+        fatal=backend.watch_fatal,
     )
 
 

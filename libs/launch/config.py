@@ -21,6 +21,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from libs.backends.identity import model_type, refusal
 from libs.launch.process import ROOT
 from libs.launch.stack import StackSpec, replica_names
 
@@ -177,6 +178,9 @@ def _semantic_problems(doc: Mapping[str, Any]) -> list[str]:
     ]
     if doc.get("engine") == "vllm" and layout == "colocated":
         problems.append("engine: vllm serves the PD service (e+pd) or prefill and decode (e/p/d); layout is colocated")
+    path = doc.get("model", {}).get("path")
+    if path and (why := refusal(str(doc.get("engine", "reference")), model_type(Path(path)))) is not None:
+        problems.append(f"engine: {why} (model.path {path})")
     for name, role in roles.items():
         scale = role.get("autoscale")
         if scale is None:

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from libs.backends.identity import model_type, refusal
 from libs.launch.process import LaunchError, ServiceProcess, free_port
 from libs.launch.store import StoreProcesses, start_store
 from libs.rpc.certs import LocalCa, write_material
@@ -94,6 +95,8 @@ class Stack:
             raise ValueError(f"unknown engine {spec.engine!r}; expected reference or vllm")
         if spec.engine == "vllm" and spec.layout == "colocated":
             raise ValueError("the vLLM engine serves PD (E+PD) or prefill and decode (E/P/D), not the colocated layout")
+        if (why := refusal(spec.engine, model_type(spec.model))) is not None:
+            raise ValueError(why)
         self.spec = spec
         self.processes: dict[str, ServiceProcess] = {}
         self.address = ""

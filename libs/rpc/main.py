@@ -45,6 +45,9 @@ class ServiceParts:
     drain: Callable[[float], Awaitable[None]] | None = None
     # Given the server's health setter once it serves: a service whose engine can die reports it.
     health: Callable[[HealthSetter], None] | None = None
+    # Given a callable that ends the service with an error (exit non-zero): a service whose engine
+    # cannot be brought back (past its restart bound) calls it with the reason.
+    fatal: Callable[[Callable[[str], None]], None] | None = None
     # Serves clients (router, colocated) rather than peers: see libs/rpc/security.py.
     public: bool = False
     # Bearer tokens a public server accepts (empty: none needed).
@@ -70,12 +73,16 @@ async def serve(name: str, settings: CommonSettings, parts: ServiceParts, grace_
         parts.on_started(server.address)
     if parts.health is not None:
         parts.health(server.set_serving)
+    if parts.fatal is not None:
+        parts.fatal(server.fail)
     print(f"{name} listening on {server.address}", flush=True)
     try:
         await server.wait_for_termination(parts.drain)
     finally:
         if parts.close is not None:
             await parts.close()
+    if server.failure:
+        raise SystemExit(f"{name}: {server.failure}")  # exit status 1, the reason on stderr
 
 
 def client_facing(parts: ServiceParts, settings: ClientAuthSettings) -> ServiceParts:

@@ -33,6 +33,8 @@ from libs.rpc.security import AccessInterceptor, AccessPolicy, TlsMaterial
 from libs.telemetry.propagation import TracingServerInterceptor, client_interceptors
 
 _log = structlog.get_logger(__name__)
+# After `fail`: seconds the RPCs still in flight get (they are failing already: the engine is gone).
+_FAIL_GRACE_S = 1.0
 
 # grpcio-reflection ships only v1alpha, but current clients (grpcurl, Postman, grpc_cli) ask for
 # grpc.reflection.v1 first. The two protocols' messages are field-for-field identical (v1 renamed
@@ -172,6 +174,8 @@ class EpdServer:
         )
         self.port = 0
         self._stopping: asyncio.Event | None = None
+        self._stop_requested: asyncio.Event | None = None
+        self.failure = ""  # why the service ends with an error (`fail`); empty: it did not
         self._health_server: grpc.aio.Server | None = None
         if options.health_port:
             # Health and nothing else: status only, so it needs no TLS and no token.
@@ -205,6 +209,7 @@ class EpdServer:
         for name in ["", *self._service_names]:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._stopping = asyncio.Event()
+        self._stop_requested = asyncio.Event()
         _log.info(
             "serving",
             address=f"{self.options.host}:{self.port}",
@@ -244,12 +249,26 @@ class EpdServer:
             self._stopping.set()
         _log.info("stopped", address=self.address)
 
+    def fail(self, message: str) -> None:
+        """End the service with an error (its engine cannot be brought back): `wait_for_termination`
+        stops the server at once, without a drain (nothing can be served), and `failure` says why."""
+        if not self.failure:
+            self.failure = message
+        if self._stop_requested is not None:
+            self._stop_requested.set()
+
     async def wait_for_termination(self, drain: Callable[[float], Awaitable[None]] | None = None) -> None:
-        """Serve until SIGTERM or SIGINT, then drain within the grace period."""
+        """Serve until SIGTERM or SIGINT, then drain within the grace period; or until `fail`."""
         loop = asyncio.get_running_loop()
-        stop_requested = asyncio.Event()
+        stop_requested = self._stop_requested or asyncio.Event()
+        self._stop_requested = stop_requested
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop_requested.set)
-        await stop_requested.wait()
+        if not self.failure:
+            await stop_requested.wait()
+        if self.failure:
+            _log.error("service failed; stopping", error=self.failure)
+            await self.stop(grace_s=_FAIL_GRACE_S)
+            return
         _log.info("signal received; draining", grace_s=self.options.grace_s)
         await self.stop(drain=drain)

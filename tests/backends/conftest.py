@@ -30,8 +30,10 @@ def vllm_epd_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) ->
         # --grace-s: the drain test's streams finish within it. Chunks of 16 prompt tokens: requests
         # served together prefill their multimodal prompts in several steps, across the items.
         # --lease-ttl-s: the drain test's embeddings wait for a stopped engine (frozen_engine).
+        # --engine-hang-timeout-s: the drain test stops the engine (frozen_engine) on purpose, for
+        # as long as a loaded host needs; the watchdog must not take that for a hang.
         extra_args={
-            "pd": ["--grace-s", "120", "--prefill-chunk-tokens", "16"],
+            "pd": ["--grace-s", "120", "--prefill-chunk-tokens", "16", "--engine-hang-timeout-s", "600"],
             "encoder-0": ["--lease-ttl-s", "300"],
         },
         ready_timeout_s=420.0,

@@ -59,7 +59,9 @@ MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
 STREAMED = ["audio", "image", "text"]
 HANDOFFS = 2  # KV handoffs prefill holds for decode at its signal
 TOKENS = 64  # each stream's and handoff's tokens, compared with their undisturbed runs
-GRACE = ["--grace-s", "240"]
+# The engines are stopped on purpose (frozen_engine) for as long as a loaded host needs: the
+# watchdog must not take that for a hang (docs/vllm-operations.md).
+GRACE = ["--grace-s", "240", "--engine-hang-timeout-s", "600"]
 METRICS = {"prefill": free_port(), "decode": free_port()}  # their Prometheus ports
 
 

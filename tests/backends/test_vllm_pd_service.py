@@ -72,6 +72,7 @@ def pd(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pd
     port = free_port()
     args = ["--engine", "vllm", "--model", str(omni_tiny), "--max-batch", "1", "--max-running", str(ADMITTED)]
     args += ["--metrics-port", str(port), "--grace-s", "240"]
+    args += ["--engine-hang-timeout-s", "600"]  # frozen_engine stops it on purpose: not a hang
     args += ["--max-model-len", "8192"]  # the filler's prompt and the longest max_tokens (4096)
     process = ServiceProcess("pd", "services.pd", args, log_path=tmp_path_factory.mktemp("vllm-pd") / "pd.log")
     process.start()

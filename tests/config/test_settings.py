@@ -83,3 +83,21 @@ def test_prefill_chunk_must_be_positive() -> None:
     assert load_settings(PrefillLike, argv=["--prefill-chunk-tokens", "128"], env={}).prefill_chunk_tokens == 128
     with pytest.raises(SettingsError, match="--prefill-chunk-tokens: 0 is not a positive number of tokens"):
         load_settings(PrefillLike, argv=[], env={"EPD_PREFILL_CHUNK_TOKENS": "0"})
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engine-start-timeout-s", "0"], "--engine-start-timeout-s: 0.0 is not a positive number of seconds"),
+        (["--engine-hang-timeout-s", "-1"], "--engine-hang-timeout-s: -1.0 is negative"),
+        (["--engine-max-restarts", "-1"], "--engine-max-restarts: -1 is negative"),
+        (["--engine-backoff-max-s", "0.5"], "--engine-backoff-max-s: 0.5 is less than --engine-backoff-start-s 1.0"),
+    ],
+)
+def test_vllm_engine_life_settings_are_checked(argv: list[str], message: str) -> None:
+    from libs.backends.settings import EngineSettings
+
+    life = load_settings(EngineSettings, argv=["--engine-hang-timeout-s", "0", "--engine-max-restarts", "0"], env={})
+    assert (life.engine_hang_timeout_s, life.engine_max_restarts) == (0.0, 0)  # watchdog off, no restart
+    with pytest.raises(SettingsError, match=message):
+        load_settings(EngineSettings, argv=argv, env={})

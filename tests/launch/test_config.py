@@ -369,3 +369,30 @@ def test_the_door_settings_reach_its_flags(tmp_path: Path) -> None:
         assert getattr(door, key) == value, key
     assert door.grace_s == 7.0
     assert plan.notes == ("roles.openai_door.replicas is 2: one openai_door runs on this host",)
+
+
+def _whisper(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "whisper"}))
+    return tmp_path
+
+
+@pytest.mark.unit
+def test_a_description_pairing_vllm_with_whisper_is_refused_naming_it(tmp_path: Path) -> None:
+    model = _whisper(tmp_path)
+    message = _error(_minimal(engine="vllm", model={"path": str(model)}))
+    assert "engine: --engine vllm with a whisper checkpoint is refused: vLLM returns empty transcripts" in message
+    assert f"(model.path {model})" in message
+    parse_description(_minimal(model={"path": str(model)}), Path("ok.yaml"))  # the reference engine serves it
+
+
+@pytest.mark.unit
+def test_epd_up_flags_and_a_stack_refuse_vllm_with_whisper(tmp_path: Path) -> None:
+    from libs.cli.main import main
+    from libs.launch.stack import Stack, StackSpec
+
+    model = _whisper(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["up", "--engine", "vllm", "--layout", "e/p/d", "--model", str(model), "--run-dir", str(tmp_path)])
+    assert str(info.value).startswith("epd: --engine vllm with a whisper checkpoint is refused: vLLM returns empty")
+    with pytest.raises(ValueError, match="whisper checkpoint is refused"):
+        Stack(StackSpec(layout="e/p/d", encoders=1, model=model, run_dir=tmp_path, engine="vllm"))

@@ -124,3 +124,36 @@ def test_standard_services_and_graceful_stop() -> None:
             await stopping
 
     asyncio.run(scenario())
+
+
+def test_a_service_told_to_fail_stops_without_a_drain_and_exits_with_the_reason() -> None:
+    """What a vLLM service past its engine-restart bound does (libs/backends/vllm/supervisor.py):
+    `serve` stops the server, closes the service's resources, and raises SystemExit(reason)."""
+    from libs.config import CommonSettings
+    from libs.rpc.main import ServiceParts, serve
+
+    closed: list[bool] = []
+    drained: list[float] = []
+
+    async def close() -> None:
+        closed.append(True)
+
+    async def drain(grace: float) -> None:
+        drained.append(grace)
+
+    def fatal(fail: Any) -> None:
+        asyncio.get_running_loop().call_soon(fail, "vLLM engine failed again after 1 restart(s)")
+
+    parts = ServiceParts(servicers=[], info=samples.service_info, close=close, drain=drain, fatal=fatal)
+
+    async def scenario() -> SystemExit:
+        try:
+            async with asyncio.timeout(30):  # not wait_for: a SystemExit out of a task stops the loop
+                await serve("pd", CommonSettings(), parts, grace_s=30.0)
+        except SystemExit as exc:
+            return exc
+        raise AssertionError("serve returned instead of ending the service with an error")
+
+    ended = asyncio.run(scenario())
+    assert ended.code == "pd: vLLM engine failed again after 1 restart(s)"  # exit status 1
+    assert closed == [True] and drained == []

@@ -33,8 +33,7 @@ from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
 from libs.backends.vllm.prefill import DEFAULT_MAX_TOKENS, free_port
 from libs.backends.vllm.requests import RequestPlanner
-from libs.backends.vllm.streams import next_output
-from libs.backends.vllm.supervisor import EngineSupervisor
+from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or_exit
 from libs.contract import version
 from libs.contract.epd.v1 import decode_pb2, generation_pb2, prefill_pb2, service_info_pb2, service_info_pb2_grpc
 from libs.contract.errors import DataLoss, EpdError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -133,7 +132,7 @@ class VllmDecode(DecodeBackend):
         self.weights_digest = planner.checkpoint.weights_digest()
         self._producers = Producers(model_identity(settings, self.weights_digest))
         self._failure_dir = Path(tempfile.mkdtemp(prefix="epd-vllm-decode-"))
-        self.supervisor = EngineSupervisor(self._build)
+        self.supervisor = EngineSupervisor(self._build, EngineLife.of(settings), queued=lambda: self._active)
         # Requests beyond vLLM's batch (max_num_seqs = max_batch) wait in admission, not in vLLM: a
         # handoff's lease is checked before vLLM sees it, and vLLM reads the blocks as soon as it
         # takes the request; queued inside vLLM, a lease could expire (blocks reused) before the read.
@@ -157,6 +156,9 @@ class VllmDecode(DecodeBackend):
 
     def watch_health(self, setter: Any) -> None:
         self.supervisor.watch_health(setter)
+
+    def watch_fatal(self, fail: Any) -> None:
+        self.supervisor.watch_fatal(fail)
 
     def _block_bytes(self, llm: Any) -> int:
         """Bytes of one KV block over all layers (keys and values): what vLLM's connector reads
@@ -219,7 +221,8 @@ class VllmDecode(DecodeBackend):
             seed=runtime.split_seed(sampling, request.request_id),
             kv_transfer_params=kv_transfer_params(request.kv_cache),
         )
-        llm = self.supervisor.current()
+        engine = self.supervisor.engine()
+        llm = engine.llm
         skip_first = FirstTokenFilter(state.next_input_token_id, state.generated_text)
         generated = state.generated_tokens
         self._active += 1
@@ -230,7 +233,7 @@ class VllmDecode(DecodeBackend):
                 prompt, params, request.request_id, priority=runtime.engine_priority(request.priority)
             )
             with stage("kv.transfer", "transfer", **{"epd.engine": "vllm"}) as transfer:
-                out = await next_output(stream, deadline)  # the blocks read and the first step run
+                out = await engine.next(stream, deadline)  # the blocks read and the first step run
                 blocks = sum(len(group.block_ids) for group in request.kv_cache.paged.groups)
                 transfer.set_attribute("epd.transfer.blocks", blocks)
                 record_transfer(
@@ -264,7 +267,7 @@ class VllmDecode(DecodeBackend):
                     yield chunk, usage
                 if finished:
                     return
-                out = await next_output(stream, deadline)
+                out = await engine.next(stream, deadline)
         except EpdError:
             raise
         except Exception as exc:
@@ -282,6 +285,8 @@ class VllmDecode(DecodeBackend):
 
 async def start(settings: EngineSettings) -> VllmDecode:
     """Start vLLM's engine (30-50 s on 2 cores): a KV consumer."""
+    runtime.refuse_unsupported(settings.model)
     backend = VllmDecode(settings, RequestPlanner(settings.model, max_model_len=settings.max_model_len))
-    await backend.supervisor.start()
+    await asyncio.to_thread(runtime.import_vllm)  # before the start's clock runs (10-18 s)
+    await start_or_exit(backend.supervisor, backend.close)
     return backend

@@ -27,8 +27,8 @@ from libs.backends.in_flight import InFlight
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
 from libs.backends.vllm.requests import RequestPlanner, failure_path
-from libs.backends.vllm.streams import EncoderAgents, count_embedding_bytes, next_output, raise_load_failure
-from libs.backends.vllm.supervisor import EngineSupervisor
+from libs.backends.vllm.streams import EncoderAgents, count_embedding_bytes, raise_load_failure
+from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or_exit
 from libs.contract.epd.v1 import generation_pb2, prefill_decode_pb2
 from libs.contract.errors import EpdError
 from libs.runtime import types as eng
@@ -52,7 +52,9 @@ class VllmPrefillDecode(PrefillDecodeBackend):
         self._failure_dir = failure_dir
         self._default_max_tokens = 256  # as the reference runtime
         self.supervisor = EngineSupervisor(
-            lambda: runtime.build_engine(settings, failure_dir=failure_dir, ec_consumer=True)
+            lambda: runtime.build_engine(settings, failure_dir=failure_dir, ec_consumer=True),
+            EngineLife.of(settings),
+            queued=lambda: self._active,
         )
         # vLLM queues beyond its batch itself, by priority (`scheduling_policy="priority"`), and
         # starts a waiting request in the very step a sequence ends: it runs `max_running`.
@@ -78,6 +80,9 @@ class VllmPrefillDecode(PrefillDecodeBackend):
     def watch_health(self, setter: Any) -> None:
         self.supervisor.watch_health(setter)
 
+    def watch_fatal(self, fail: Any) -> None:
+        self.supervisor.watch_fatal(fail)
+
     async def generate(
         self, request: prefill_decode_pb2.PrefillDecodeRequest, deadline: float | None
     ) -> AsyncIterator[prefill_decode_pb2.PrefillDecodeResponse]:
@@ -98,7 +103,8 @@ class VllmPrefillDecode(PrefillDecodeBackend):
             self.planner.plan, request_id, request.messages, sampling, self._agents, deadline
         )
         params = runtime.sampling_params(sampling, self._default_max_tokens, planned.items)
-        llm = self.supervisor.current()
+        engine = self.supervisor.engine()
+        llm = engine.llm
         failure = failure_path(self._failure_dir, request_id)
         self._active += 1
         generated = 0
@@ -107,7 +113,7 @@ class VllmPrefillDecode(PrefillDecodeBackend):
         try:
             stream = llm.generate(planned.prompt, params, request_id, priority=runtime.engine_priority(priority))
             with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as prefill_span:
-                first = await next_output(stream, deadline)
+                first = await engine.next(stream, deadline)
                 prefill_span.set_attribute("epd.prompt_tokens", len(first.prompt_token_ids or ()))
             raise_load_failure(failure)  # before anything built on missing embeddings is streamed
             count_embedding_bytes(planned.items)
@@ -123,7 +129,7 @@ class VllmPrefillDecode(PrefillDecodeBackend):
                 yield chunk, usage
                 if finished:
                     return
-                out = await next_output(stream, deadline)
+                out = await engine.next(stream, deadline)
         except EpdError:
             raise
         except Exception as exc:
@@ -144,8 +150,10 @@ class VllmPrefillDecode(PrefillDecodeBackend):
 
 async def start(settings: EngineSettings) -> VllmPrefillDecode:
     """Start vLLM's engine (30-50 s on 2 cores): a consumer of the encoders' embeddings."""
+    runtime.refuse_unsupported(settings.model)
     planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
     failure_dir = Path(tempfile.mkdtemp(prefix="epd-vllm-failures-"))
     backend = VllmPrefillDecode(settings, planner, failure_dir)
-    await backend.supervisor.start()
+    await asyncio.to_thread(runtime.import_vllm)  # before the start's clock runs (10-18 s)
+    await start_or_exit(backend.supervisor, backend.close)
     return backend

@@ -28,8 +28,8 @@ from libs.backends.in_flight import InFlight
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
 from libs.backends.vllm.requests import RequestPlanner, failure_path
-from libs.backends.vllm.streams import EncoderAgents, count_embedding_bytes, next_output, raise_load_failure
-from libs.backends.vllm.supervisor import EngineSupervisor
+from libs.backends.vllm.streams import EncoderAgents, count_embedding_bytes, raise_load_failure
+from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or_exit
 from libs.contract.epd.v1 import generation_pb2, prefill_pb2, stats_pb2
 from libs.contract.errors import EpdError, Unavailable
 from libs.runtime import types as eng
@@ -119,7 +119,7 @@ class VllmPrefill(PrefillBackend):
         self.weights_digest = planner.checkpoint.weights_digest()
         self._agents = EncoderAgents(model_identity(settings, self.weights_digest))
         self._failure_dir = failure_dir
-        self.supervisor = EngineSupervisor(self._build)
+        self.supervisor = EngineSupervisor(self._build, EngineLife.of(settings), queued=lambda: self._active)
         self.leases: KvLeases = KvLeases(self.supervisor)  # the KV blocks vLLM keeps for decode
         self.address = ""  # this service's, once it listens (the handoff names it)
         self.max_running = settings.max_running
@@ -146,6 +146,9 @@ class VllmPrefill(PrefillBackend):
     def watch_health(self, setter: Any) -> None:
         self.supervisor.watch_health(setter)
 
+    def watch_fatal(self, fail: Any) -> None:
+        self.supervisor.watch_fatal(fail)
+
     async def prefill(self, request: prefill_pb2.PrefillRequest, deadline: float | None) -> prefill_pb2.PrefillResponse:
         with self.in_flight.track(request.request_id):
             return await self._prefill(request, deadline)
@@ -165,7 +168,8 @@ class VllmPrefill(PrefillBackend):
             max_tokens=1,
             kv_transfer_params={"do_remote_decode": True},
         )
-        llm = self.supervisor.current()
+        engine = self.supervisor.engine()
+        llm = engine.llm
         failure = failure_path(self._failure_dir, request.request_id)
         self._active += 1
         out: Any = None
@@ -175,9 +179,9 @@ class VllmPrefill(PrefillBackend):
                 planned.prompt, params, request.request_id, priority=runtime.engine_priority(request.priority)
             )
             with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as span:
-                out = await next_output(stream, deadline)
+                out = await engine.next(stream, deadline)
                 while not out.finished:
-                    out = await next_output(stream, deadline)
+                    out = await engine.next(stream, deadline)
                 span.set_attribute("epd.prompt_tokens", len(out.prompt_token_ids or ()))
             raise_load_failure(failure)  # embeddings that could not be read: nothing built on them leaves
             count_embedding_bytes(planned.items)
@@ -266,7 +270,9 @@ class VllmPrefill(PrefillBackend):
 
 async def start(settings: EngineSettings) -> VllmPrefill:
     """Start vLLM's engine (30-50 s on 2 cores): a KV producer, consumer of the encoders' embeddings."""
+    runtime.refuse_unsupported(settings.model)
     planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
     backend = VllmPrefill(settings, planner, Path(tempfile.mkdtemp(prefix="epd-vllm-failures-")))
-    await backend.supervisor.start()
+    await asyncio.to_thread(runtime.import_vllm)  # before the start's clock runs (10-18 s)
+    await start_or_exit(backend.supervisor, backend.close)
     return backend

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from libs.backends.identity import model_type, refusal
 from libs.contract.epd.v1 import chat_pb2, tensor_pb2
 from libs.contract.errors import InvalidArgument
 from libs.runtime import types as eng
@@ -102,6 +103,8 @@ class RequestPlanner:
     def __init__(self, model: Path, *, dtype: str = "float32", max_model_len: int = 4096) -> None:
         from transformers import AutoTokenizer
 
+        if (why := refusal("vllm", model_type(model))) is not None:
+            raise ValueError(why)
         self.checkpoint = Checkpoint(model)
         self.adapter = adapter_for(self.checkpoint)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(str(model))

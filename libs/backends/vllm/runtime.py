@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from libs.backends.identity import model_type, refusal
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm.requests import ItemDescriptor
 from libs.contract.epd.v1 import generation_pb2
@@ -64,6 +65,20 @@ class KvTransfer:
     role: Literal["kv_producer", "kv_consumer"]
     engine_id: str  # new at every engine start: a consumer's handshake checks it
     side_channel_port: int  # where the engine serves its NIXL agent metadata
+
+
+def refuse_unsupported(model: Path) -> None:
+    """A checkpoint this engine must not serve ends the service at start-up, naming the pairing
+    (before vLLM is imported or anything loaded)."""
+    if (why := refusal("vllm", model_type(model))) is not None:
+        raise SystemExit(f"epd: {why}")
+
+
+def import_vllm() -> None:
+    """Import vLLM's engine (10-18 s on 2 cores) once per process, before an engine start is timed
+    (`engine_start_timeout_s` bounds the engine's start, not the import)."""
+    loopback_environment()
+    from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
 
 
 def build_engine(

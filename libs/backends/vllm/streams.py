@@ -1,19 +1,16 @@
 """What the vLLM engines of the PD, prefill and decode services share: the encoders' agent metadata
-(first-contact checked), the next output of a vLLM stream within a deadline, and the EC
-connector's report of embeddings it could not read."""
+(first-contact checked) and the EC connector's report of embeddings it could not read (the next
+output of a request's stream is the supervisor's `Engine.next`: it also ends when the engine fails)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from libs.backends.vllm.requests import ItemDescriptor
 from libs.contract.epd.v1 import service_info_pb2, tensor_pb2
-from libs.contract.errors import DeadlineExceeded, Unavailable, error_for
+from libs.contract.errors import Unavailable, error_for
 from libs.contract.reasons import Reason, reason_if_gone
 from libs.serving.transport import MetadataResolver
 from libs.telemetry.stages import count_transfer
@@ -39,19 +36,6 @@ class EncoderAgents:
 
     def close(self) -> None:
         self._resolver.close()
-
-
-async def next_output(stream: AsyncIterator[Any], deadline: float | None) -> Any:
-    """The next output, within the request's deadline; the stream ending early is an engine abort."""
-    timeout = None if deadline is None else deadline - time.monotonic()
-    if timeout is not None and timeout <= 0:
-        raise DeadlineExceeded("deadline passed while generating")
-    try:
-        return await asyncio.wait_for(anext(stream), timeout)
-    except TimeoutError:
-        raise DeadlineExceeded("deadline passed while generating") from None
-    except StopAsyncIteration:
-        raise Unavailable("vLLM ended the request without a finish") from None
 
 
 def raise_load_failure(path: Path) -> None:
