@@ -31,7 +31,7 @@ from libs.backends.identity import PAGED_KV, capability, engine_of
 from libs.backends.in_flight import InFlight
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
-from libs.backends.vllm.prefill import DEFAULT_MAX_TOKENS, free_port
+from libs.backends.vllm.prefill import DEFAULT_MAX_TOKENS
 from libs.backends.vllm.requests import RequestPlanner
 from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or_exit
 from libs.contract import version
@@ -141,7 +141,9 @@ class VllmDecode(DecodeBackend):
         self._active = 0
 
     def _build(self) -> Any:
-        kv = runtime.KvTransfer("kv_consumer", f"epd-decode-{secrets.token_hex(6)}", free_port())
+        kv = runtime.KvTransfer(
+            "kv_consumer", f"epd-decode-{secrets.token_hex(6)}", runtime.side_channel_port(self._settings)
+        )
         return runtime.build_engine(self._settings, failure_dir=self._failure_dir, ec_consumer=False, kv=kv)
 
     def capabilities(self) -> tuple[str, ...]:
@@ -287,6 +289,6 @@ async def start(settings: EngineSettings) -> VllmDecode:
     """Start vLLM's engine (30-50 s on 2 cores): a KV consumer."""
     runtime.refuse_unsupported(settings.model)
     backend = VllmDecode(settings, RequestPlanner(settings.model, max_model_len=settings.max_model_len))
-    await asyncio.to_thread(runtime.import_vllm)  # before the start's clock runs (10-18 s)
+    await asyncio.to_thread(runtime.import_vllm, settings)  # before the start's clock runs (10-18 s)
     await start_or_exit(backend.supervisor, backend.close)
     return backend
