@@ -168,7 +168,8 @@ class VllmDecode(DecodeBackend):
         import torch
 
         layers, heads, head_dim = self.planner.kv_dims()
-        itemsize = int(getattr(torch, self.planner.dtype).itemsize)
+        itemsize = int(getattr(torch, runtime.engine_dtype(llm)).itemsize)  # the engine's, not the embeddings'
+
         block_size = int(llm.vllm_config.cache_config.block_size)
         return block_size * layers * 2 * heads * head_dim * itemsize
 

@@ -245,7 +245,7 @@ class VllmPrefill(PrefillBackend):
                     num_kv_heads=heads,
                     head_dim=head_dim,
                     num_tokens=int(params.get("remote_num_tokens") or prompt_tokens),
-                    dtype=convert.DTYPE_TO_WIRE[self.planner.dtype],
+                    dtype=convert.DTYPE_TO_WIRE[runtime.engine_dtype(self.supervisor.current())],
                 ),
                 paged=paged,
             )

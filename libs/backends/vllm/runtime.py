@@ -199,6 +199,12 @@ def build_engine(
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
 
+def engine_dtype(llm: Any) -> str:
+    """The dtype a started engine computes and keeps its KV cache in ("float32", "bfloat16", ...):
+    `--dtype` as vLLM resolved it ("auto": the checkpoint's, per device)."""
+    return str(llm.vllm_config.model_config.dtype).removeprefix("torch.")
+
+
 def engine_priority(priority: int) -> int:
     """epd.v1's priority (higher is served first) as vLLM's (lower is scheduled first)."""
     return -priority
