@@ -15,8 +15,37 @@ class EngineSettings(ModelServiceSettings):
     """A model service with a choice of engine (prefill, decode, PD)."""
 
     engine: Literal["reference", "vllm"] = setting("reference", "engine: the reference runtime or vLLM")
-    kv_cache_mib: int = setting(64, "vLLM: KV-cache memory, in MiB (explicit: vLLM would size it from RAM)")
+    kv_cache_mib: int = setting(
+        64,
+        "vLLM: KV-cache memory, in MiB (explicit: vLLM would size it from RAM); unused when "
+        "--gpu-memory-utilization > 0",
+    )
+    gpu_memory_utilization: float = setting(
+        0.0,
+        "vLLM: fraction (0-1] of the device's memory the engine may take (weights, activations, KV cache), vLLM's "
+        "own sizing; 0: the KV cache is --kv-cache-mib",
+    )
     max_model_len: int = setting(4096, "vLLM: longest prompt + generation, in tokens")
+    device: str = setting(
+        "cpu",
+        "vLLM: device the engine runs on (cpu, cuda, xpu, ...); the installed vLLM build must be that device's "
+        "(docs/vllm-operations.md); KV buffers and embeddings land there",
+    )
+    dtype: str = setting(
+        "float32", "vLLM: model dtype (float32, bfloat16, float16, auto); float32 matches the reference runtime"
+    )
+    enforce_eager: bool = setting(
+        True, "vLLM: eager execution; --no-enforce-eager lets vLLM compile and capture graphs (GPUs)"
+    )
+    tensor_parallel_size: int = setting(1, "vLLM: devices one engine shards the model over (tensor parallel)")
+    engine_host_ip: str = setting(
+        "",
+        "vLLM: address peers reach this engine's NIXL side channel and agent at (VLLM_HOST_IP, "
+        "VLLM_NIXL_SIDE_CHANNEL_HOST); empty: --host",
+    )
+    nixl_side_channel_port: int = setting(
+        0, "vLLM: TCP port of the engine's NIXL side channel (KV handoffs); 0: a free port at every engine start"
+    )
     engine_start_timeout_s: float = setting(
         300.0, "vLLM: seconds an engine (re)start may take; past it its processes are killed (a failure)"
     )

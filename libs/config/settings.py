@@ -161,6 +161,7 @@ def _check_ranges(settings: Any) -> None:
     if chunk < 1:
         raise SettingsError(f"{flag_name('prefill_chunk_tokens')}: {chunk} is not a positive number of tokens")
     _check_engine_life(settings)
+    _check_engine_device(settings)
 
 
 def _check_engine_life(settings: Any) -> None:
@@ -179,6 +180,39 @@ def _check_engine_life(settings: Any) -> None:
         raise SettingsError(
             f"{flag_name('engine_backoff_max_s')}: {settings.engine_backoff_max_s} is less than "
             f"{flag_name('engine_backoff_start_s')} {settings.engine_backoff_start_s}"
+        )
+
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def _check_engine_device(settings: Any) -> None:
+    """vLLM's device and host settings (libs/backends/settings.py), where a service has them."""
+    if not hasattr(settings, "gpu_memory_utilization"):
+        return
+    if not 0.0 <= settings.gpu_memory_utilization <= 1.0:
+        raise SettingsError(
+            f"{flag_name('gpu_memory_utilization')}: {settings.gpu_memory_utilization} is not a fraction in [0, 1]"
+        )
+    if settings.gpu_memory_utilization == 0 and settings.kv_cache_mib < 1:
+        raise SettingsError(
+            f"{flag_name('kv_cache_mib')}: {settings.kv_cache_mib} MiB with no {flag_name('gpu_memory_utilization')}"
+        )
+    if not settings.device.strip():
+        raise SettingsError(f"{flag_name('device')}: empty (cpu, cuda, xpu, ...)")
+    if settings.dtype not in _DTYPES:
+        raise SettingsError(f"{flag_name('dtype')}: {settings.dtype!r} is not one of {', '.join(_DTYPES)}")
+    if settings.tensor_parallel_size < 1:
+        raise SettingsError(f"{flag_name('tensor_parallel_size')}: {settings.tensor_parallel_size} is not >= 1")
+    if not 0 <= settings.nixl_side_channel_port <= 65535:
+        port = settings.nixl_side_channel_port
+        raise SettingsError(f"{flag_name('nixl_side_channel_port')}: {port} is not a TCP port")
+    # Peers dial the address the engine advertises: a wildcard listen address names no host.
+    if settings.engine == "vllm" and not settings.engine_host_ip and settings.host in _WILDCARDS:
+        raise SettingsError(
+            f"{flag_name('engine_host_ip')}: needed with --host {settings.host!r} (peers must dial the engine's "
+            "NIXL side channel at a real address)"
         )
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib
 import os
 import threading
 import time
@@ -36,6 +35,7 @@ import structlog
 from libs.contract.epd.v1 import service_info_pb2, tensor_pb2
 from libs.transfer.config import TransferConfig
 from libs.transfer.errors import AgentClosed, PeerUnavailable, TransferError, TransferFailed
+from libs.transfer.nixl_package import nixl_module
 from libs.transfer.pool import MemoryPool, Slot
 
 _log = structlog.get_logger(__name__)
@@ -329,7 +329,7 @@ class _NixlErrors:
 
 
 def _nixl_errors() -> _NixlErrors:
-    bindings = importlib.import_module("nixl_cu12._bindings")  # compiled, no type stubs
+    bindings = nixl_module("_bindings")  # compiled, no type stubs
     return _NixlErrors(not_found=bindings.nixlNotFoundError, disconnected=bindings.nixlRemoteDisconnectError)
 
 
@@ -356,7 +356,7 @@ def _create_nixl_agent(name: str, env: dict[str, str], progress_wakeup_s: float 
 
 
 def _new_ucx_agent(name: str, progress_wakeup_s: float | None) -> Any:
-    api = importlib.import_module("nixl_cu12._api")
+    api = nixl_module("_api")
     config = api.nixl_agent_config(
         enable_prog_thread=progress_wakeup_s is not None,
         enable_listen_thread=False,  # metadata travels in ServiceInfo, not NIXL's listener

@@ -50,7 +50,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 def _environment(variant: dict[str, Any], port: int) -> None:
     from libs.backends.vllm import runtime
 
-    runtime.loopback_environment()
+    runtime.process_environment()
+    loopback = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "UCX_NET_DEVICES": "lo"}
+    os.environ.update(loopback)
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     if variant["nobind"]:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"

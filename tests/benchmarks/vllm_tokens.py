@@ -5,6 +5,9 @@ the media itself), greedy, float32. Prints one table row per family, layout and 
 
     .venv/bin/python tests/benchmarks/vllm_tokens.py --families qwen2_5_omni qwen2_5_vl qwen3_vl \
         --layouts e+pd e/p/d
+
+On another device (deploy/gpu/check_vllm_epd.sh): `--service-args "--device cuda"` reaches every
+vLLM service (prefill, decode, PD), `--check` exits 1 when any row differs.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -82,8 +86,13 @@ def unsplit(model: str, family: str) -> None:
     print("@@" + json.dumps(out), flush=True)
 
 
-def epd(model: Path, family: str, layout: str, run_dir: Path) -> tuple[dict[str, list[int]], float, dict[str, float]]:
-    spec = StackSpec(layout=layout, encoders=1, model=model, run_dir=run_dir, engine="vllm", ready_timeout_s=600)
+def epd(
+    model: Path, family: str, layout: str, run_dir: Path, service_args: list[str]
+) -> tuple[dict[str, list[int]], float, dict[str, float]]:
+    extra = {name: service_args for name in ("prefill", "decode", "pd")}
+    spec = StackSpec(
+        layout=layout, encoders=1, model=model, run_dir=run_dir, engine="vllm", ready_timeout_s=600, extra_args=extra
+    )
     started = time.monotonic()
     tokens: dict[str, list[int]] = {}
     ttft: dict[str, float] = {}
@@ -100,6 +109,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", default=["qwen2_5_omni", "qwen2_5_vl", "qwen3_vl"])
     parser.add_argument("--layouts", nargs="+", default=["e+pd"], choices=["e+pd", "e/p/d"])
+    parser.add_argument("--service-args", default="", help="flags for every vLLM service, e.g. '--device cuda'")
+    parser.add_argument("--check", action="store_true", help="exit 1 when EPD's tokens differ from vLLM unsplit's")
     parser.add_argument("--unsplit", nargs=2, metavar=("MODEL", "FAMILY"), help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.unsplit:
@@ -115,7 +126,7 @@ def main() -> None:
         theirs = json.loads(lines[-1][2:]) if lines else {}
         for layout in ns.layouts:
             run_dir = ROOT / "var" / "run" / f"vllm-tokens-{family}-{layout.replace('/', '-')}"
-            ours, up, ttft = epd(model, family, layout, run_dir)
+            ours, up, ttft = epd(model, family, layout, run_dir, shlex.split(ns.service_args))
             for name, tokens in ours.items():
                 ref = theirs.get(name, "missing: " + child.stderr[-200:])
                 rows.append((family, layout, name, tokens == ref, tokens, ref, ttft[name]))
@@ -124,6 +135,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for family, layout, name, same, tokens, ref, t in rows:
         print(f"| {family} | {layout} | {name} | {'yes' if same else 'NO'} | {tokens} | {ref} | {t * 1e3:.0f} |")
+    if ns.check and not all(row[3] for row in rows):
+        print(f"golden check FAILED: {sum(not row[3] for row in rows)} of {len(rows)} rows differ", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

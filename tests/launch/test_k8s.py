@@ -106,6 +106,35 @@ def test_variants_render_valid_kubernetes() -> None:
 
 
 @pytest.mark.unit
+def test_a_vllm_gpu_description_reaches_the_engine_arguments() -> None:
+    """engine: vllm on GPUs: the description's engine settings reach each pod's ConfigMap, which
+    the service parses into vLLM's engine arguments and environment (the pod's IP as the engine's
+    host: EPD_HOST from the pod, the NIXL side channel there)."""
+    from libs.backends.vllm import runtime
+
+    base = load_description(STACKS / "e-p-d.yaml").raw
+    gpu = {"device": "cuda", "dtype": "bfloat16", "gpu_memory_utilization": 0.9, "enforce_eager": False}
+    roles = {**base["roles"]}
+    for role in ("prefill", "decode"):
+        roles[role] = {**roles[role], "settings": {**gpu, "tensor_parallel_size": 2}}
+    desc = parse_description({**base, "engine": "vllm", "roles": roles}, Path("gpu.yaml"))
+    docs = [d for text in overlay_files(desc, "gpu.yaml").values() for d in documents(text)]
+    configs = _by_kind(docs, "ConfigMap")
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        settings = _settings(role, configs[f"epd-{role}"]["data"])
+        kv = runtime.KvTransfer(kv_role, "e", 5600)  # type: ignore[arg-type]
+        args = runtime.engine_args(settings, failure_dir=Path("/tmp"), ec_consumer=role == "prefill", kv=kv)
+        assert (args["dtype"], args["enforce_eager"], args["tensor_parallel_size"]) == ("bfloat16", False, 2)
+        assert args["gpu_memory_utilization"] == 0.9 and args["kv_transfer_config"]["kv_buffer_device"] == "cuda"
+        env = runtime.engine_environment(settings, kv)
+        assert (env["VLLM_NIXL_SIDE_CHANNEL_HOST"], env["UCX_NET_DEVICES"], env["UCX_TLS"]) == (
+            "10.1.2.3",
+            "eth0",
+            "tcp",
+        )
+
+
+@pytest.mark.unit
 def test_an_invalid_manifest_is_refused() -> None:
     """The validator is not a no-op: a Deployment with a string replica count fails."""
     deployment = _by_kind(next(iter(v for k, v in _committed().items() if k.name == "encoder.yaml")), "Deployment")

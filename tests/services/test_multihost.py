@@ -10,7 +10,6 @@ without root this fails, naming why (CI runs as root)."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from libs.launch.process import ServiceProcess
+from tests.multihost.metrics import transferred_bytes
 from tests.support.netns import NamespacesUnavailable, Topology, namespaces
 from tests.support.stacks import MIXES
 
@@ -52,23 +52,8 @@ def _resolver(topology: Topology, host: str) -> Path:
     return directory
 
 
-_FETCH = (
-    "import sys, urllib.request as u; "
-    "print(u.build_opener(u.ProxyHandler({})).open(sys.argv[1], timeout=10).read().decode())"
-)
-
-
 def _transferred_bytes(topology: Topology, host: str) -> float:
-    """Tensor bytes a service read from producers over NIXL (its `epd.transfer.bytes` counter),
-    fetched from the client's namespace (the host's own cannot reach the namespaces)."""
-    url = f"http://{topology.address(host)}:{METRICS_PORT}/metrics"
-    reply = topology.exec("client", sys.executable, "-c", _FETCH, url, timeout=30)
-    assert reply.returncode == 0, f"metrics of {host}: {reply.stderr[-500:]}"
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in reply.stdout.splitlines()
-        if re.match(r"epd_transfer_bytes\w*_total\{", line) and 'epd_transfer_transport="nixl"' in line
-    )
+    return transferred_bytes(topology, host, METRICS_PORT)
 
 
 @pytest.mark.slow

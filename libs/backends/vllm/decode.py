@@ -31,7 +31,7 @@ from libs.backends.identity import PAGED_KV, capability, engine_of
 from libs.backends.in_flight import InFlight
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
-from libs.backends.vllm.prefill import DEFAULT_MAX_TOKENS, free_port
+from libs.backends.vllm.prefill import DEFAULT_MAX_TOKENS
 from libs.backends.vllm.requests import RequestPlanner
 from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or_exit
 from libs.contract import version
@@ -141,7 +141,9 @@ class VllmDecode(DecodeBackend):
         self._active = 0
 
     def _build(self) -> Any:
-        kv = runtime.KvTransfer("kv_consumer", f"epd-decode-{secrets.token_hex(6)}", free_port())
+        kv = runtime.KvTransfer(
+            "kv_consumer", f"epd-decode-{secrets.token_hex(6)}", runtime.side_channel_port(self._settings)
+        )
         return runtime.build_engine(self._settings, failure_dir=self._failure_dir, ec_consumer=False, kv=kv)
 
     def capabilities(self) -> tuple[str, ...]:
@@ -166,7 +168,8 @@ class VllmDecode(DecodeBackend):
         import torch
 
         layers, heads, head_dim = self.planner.kv_dims()
-        itemsize = int(getattr(torch, self.planner.dtype).itemsize)
+        itemsize = int(getattr(torch, runtime.engine_dtype(llm)).itemsize)  # the engine's, not the embeddings'
+
         block_size = int(llm.vllm_config.cache_config.block_size)
         return block_size * layers * 2 * heads * head_dim * itemsize
 
@@ -287,6 +290,6 @@ async def start(settings: EngineSettings) -> VllmDecode:
     """Start vLLM's engine (30-50 s on 2 cores): a KV consumer."""
     runtime.refuse_unsupported(settings.model)
     backend = VllmDecode(settings, RequestPlanner(settings.model, max_model_len=settings.max_model_len))
-    await asyncio.to_thread(runtime.import_vllm)  # before the start's clock runs (10-18 s)
+    await asyncio.to_thread(runtime.import_vllm, settings)  # before the start's clock runs (10-18 s)
     await start_or_exit(backend.supervisor, backend.close)
     return backend

@@ -32,7 +32,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
-from libs.backends.vllm.requests import ItemDescriptor, failure_path
+from libs.backends.vllm.requests import ItemDescriptor, failure_path, worker_transfer_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -42,9 +42,11 @@ if TYPE_CHECKING:
 
     from libs.transfer import ReceivedTensors, TensorConsumer
 
-# Registered pool of the worker's NIXL agent: embeddings of one step's loads land here before
-# they are copied into vLLM's encoder cache.
-_POOL_BYTES = 64 << 20
+
+def engine_device(vllm_config: Any) -> torch.device:
+    """Where the engine's tensors live (vLLM's platform device: cpu, cuda, ...)."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device", None)
+    return device if isinstance(device, torch.device) else torch.device(str(device or "cpu"))
 
 
 @dataclass
@@ -87,7 +89,9 @@ class EpdECConnector(ECConnectorBase):
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config if vllm_config.ec_transfer_config else {}
+        self._extra = dict(extra)
         self._failure_dir = Path(str(extra.get("failure_dir", "")))
+        self._device = engine_device(vllm_config)
         dtype = vllm_config.model_config.dtype  # resolved to a torch.dtype once the config is built
         self._dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
         # scheduler side
@@ -159,8 +163,8 @@ class EpdECConnector(ECConnectorBase):
             return
         try:
             for uuid, got in zip(items, received, strict=True):
-                # Our own copy: the pool slot goes back right after.
-                cache[uuid] = concatenated(dict(got.tensors)).to(self._dtype, copy=True)
+                # Our own copy, on the engine's device: the pool slot goes back right after.
+                cache[uuid] = concatenated(dict(got.tensors)).to(device=self._device, dtype=self._dtype, copy=True)
         finally:
             for got in received:
                 got.release()
@@ -175,9 +179,9 @@ class EpdECConnector(ECConnectorBase):
 
     def _consumer_for(self, items: list[ItemDescriptor]) -> TensorConsumer:
         if self._consumer is None:
-            from libs.transfer import TensorConsumer, TransferAgent, TransferConfig
+            from libs.transfer import TensorConsumer, TransferAgent
 
-            agent = TransferAgent(TransferConfig(agent_name_prefix="vllm-ec", pool_bytes=_POOL_BYTES))
+            agent = TransferAgent(worker_transfer_config(self._extra))
             self._metadata: dict[str, Any] = {}
             self._consumer = TensorConsumer(agent, lambda ref: self._metadata[ref.agent_name])
         for item in items:
@@ -189,7 +193,7 @@ class EpdECConnector(ECConnectorBase):
     ) -> None:
         for uuid, item in items.items():
             # Zeros keep the model runner alive for this step; the request never streams them.
-            cache[uuid] = torch.zeros(item.rows, item.width, dtype=self._dtype)
+            cache[uuid] = torch.zeros(item.rows, item.width, dtype=self._dtype, device=self._device)
         self._failed.add(request_id)
         if str(self._failure_dir):
             target = failure_path(self._failure_dir, request_id)

@@ -27,7 +27,6 @@ worker's own thread between steps, so no locking is needed here.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import time
 from collections.abc import Iterator
@@ -133,7 +132,9 @@ def _progress_thread_wakeup(wakeup_s: float | None) -> Iterator[None]:
     if wakeup_s is None:
         yield
         return
-    api = importlib.import_module("nixl_cu12._api")  # what vLLM's `nixl._api` aliases (docs/vllm.md)
+    from libs.transfer.nixl_package import nixl_module
+
+    api = nixl_module("_api")  # the build vLLM's `nixl._api` is (libs/transfer's rule)
     real = api.nixlBind.nixlAgent
 
     def with_wakeup(name: str, config: Any) -> Any:

@@ -154,6 +154,6 @@ async def start(settings: EngineSettings) -> VllmPrefillDecode:
     planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
     failure_dir = Path(tempfile.mkdtemp(prefix="epd-vllm-failures-"))
     backend = VllmPrefillDecode(settings, planner, failure_dir)
-    await asyncio.to_thread(runtime.import_vllm)  # before the start's clock runs (10-18 s)
+    await asyncio.to_thread(runtime.import_vllm, settings)  # before the start's clock runs (10-18 s)
     await start_or_exit(backend.supervisor, backend.close)
     return backend

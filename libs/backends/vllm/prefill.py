@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import secrets
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Sequence
@@ -38,12 +37,6 @@ from libs.serving.identity import model_identity
 from libs.telemetry.stages import stage
 
 DEFAULT_MAX_TOKENS = 256  # as the reference runtime
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class KvLeases:
@@ -127,7 +120,9 @@ class VllmPrefill(PrefillBackend):
         self._active = 0
 
     def _build(self) -> Any:
-        kv = runtime.KvTransfer("kv_producer", f"epd-prefill-{secrets.token_hex(6)}", free_port())
+        kv = runtime.KvTransfer(
+            "kv_producer", f"epd-prefill-{secrets.token_hex(6)}", runtime.side_channel_port(self._settings)
+        )
         return runtime.build_engine(self._settings, failure_dir=self._failure_dir, ec_consumer=True, kv=kv)
 
     def embedding_specs(self) -> list[eng.EmbeddingSpec]:
@@ -250,7 +245,7 @@ class VllmPrefill(PrefillBackend):
                     num_kv_heads=heads,
                     head_dim=head_dim,
                     num_tokens=int(params.get("remote_num_tokens") or prompt_tokens),
-                    dtype=convert.DTYPE_TO_WIRE[self.planner.dtype],
+                    dtype=convert.DTYPE_TO_WIRE[runtime.engine_dtype(self.supervisor.current())],
                 ),
                 paged=paged,
             )
@@ -273,6 +268,6 @@ async def start(settings: EngineSettings) -> VllmPrefill:
     runtime.refuse_unsupported(settings.model)
     planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
     backend = VllmPrefill(settings, planner, Path(tempfile.mkdtemp(prefix="epd-vllm-failures-")))
-    await asyncio.to_thread(runtime.import_vllm)  # before the start's clock runs (10-18 s)
+    await asyncio.to_thread(runtime.import_vllm, settings)  # before the start's clock runs (10-18 s)
     await start_or_exit(backend.supervisor, backend.close)
     return backend

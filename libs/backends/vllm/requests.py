@@ -34,7 +34,7 @@ from libs.runtime.checkpoint import Checkpoint
 from libs.runtime.families import adapter_for
 from libs.runtime.prompt import build_prompt, prompt_ids
 from libs.serving import convert
-from libs.transfer import ExpectedTensor
+from libs.transfer import ExpectedTensor, TransferConfig
 
 
 def failure_path(directory: Path, request_id: str) -> Path:
@@ -286,3 +286,22 @@ def _add_metadata(fields: dict[str, list[Any]], layout: eng.ItemLayout, family: 
 
 def _tensors(fields: dict[str, list[Any]]) -> dict[str, Any]:
     return {name: values if name == "timestamps" else torch.tensor(values) for name, values in fields.items()}
+
+
+# Registered pool of vLLM's worker's NIXL agent when the service gives none (`pool_mib`): embeddings
+# of one step's loads land here before they are copied into vLLM's encoder cache, on the device.
+_WORKER_POOL_MIB = 64
+
+
+def worker_transfer_config(extra: dict[str, Any]) -> TransferConfig:
+    """The worker's NIXL agent from the service's transport settings (`ec_connector_extra_config`,
+    libs/backends/vllm/runtime.py `engine_args`), as libs/serving/transport.py makes the services'."""
+    checksum = bool(extra.get("checksum", True))
+    tls = str(extra.get("ucx_tls", ""))
+    return TransferConfig(
+        agent_name_prefix="vllm-ec",
+        pool_bytes=int(extra.get("pool_mib", _WORKER_POOL_MIB)) << 20,
+        verify_checksum=checksum,
+        ucx_net_devices=str(extra.get("ucx_net_devices", "lo")),
+        extra_env=(("UCX_TLS", tls),) if tls else (),
+    )

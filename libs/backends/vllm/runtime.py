@@ -1,10 +1,14 @@
 """vLLM itself: engine arguments, sampling parameters, outputs -> token chunks, errors -> status.
 
 Import this module only in services that chose `--engine vllm` (importing vLLM takes 10-18 s).
-Settings that matter on this machine (docs/vllm.md, docs/vllm-operations.md):
-- loopback only: `VLLM_HOST_IP=127.0.0.1`, NIXL side channel on 127.0.0.1, UCX on `lo`;
-- explicit KV-cache bytes (`kv_cache_memory_bytes`): vLLM would otherwise size it from RAM;
-- `enforce_eager` (no graph capture on CPU), float32 (token-identical to the reference runs);
+Every engine setting comes from the service's settings (libs/backends/settings.py; the table in
+docs/vllm-operations.md), today's CPU values as defaults:
+- host: `VLLM_HOST_IP` and the NIXL side channel on `--engine-host-ip` (default `--host`), UCX on
+  `--ucx-net-devices` / `--ucx-tls` (default `lo`: this host only);
+- device (`--device`, the installed vLLM build's), dtype (float32: token-identical to the
+  reference runs), eager or graphs, tensor-parallel size;
+- KV cache: explicit bytes (`--kv-cache-mib`; vLLM would otherwise size it from RAM) or vLLM's
+  memory fraction (`--gpu-memory-utilization`);
 - torchvision: vLLM's processes are fresh interpreters, covered by libs/torchvision_guard.py's
   start-up hook; the model-inspection subprocess too (it is a plain `python -m`).
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -31,30 +36,47 @@ EC_CONNECTOR_MODULE = "libs.backends.vllm.ec_connector"
 KV_CONNECTOR_MODULE = "libs.backends.vllm.kv_connector"
 
 
-def loopback_environment() -> None:
-    """Keep every vLLM process on loopback and quiet (set before the engine spawns them)."""
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    os.environ.setdefault("UCX_MODULES", "^ib")
+def process_environment() -> None:
+    """Quiet vLLM and NIXL, and make this checkout importable in vLLM's processes (the worker loads
+    the project's connectors). The operator's environment wins here (setdefault)."""
+    os.environ.setdefault("UCX_MODULES", "^ib")  # as libs/transfer's agents (TransferConfig.ucx_modules)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
-    # The worker imports this project (the EC connector): make the checkout importable there.
     root = str(Path(__file__).resolve().parents[3])
     path = os.environ.get("PYTHONPATH", "")
     if root not in path.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, path) if p)
 
 
-def cpu_environment(threads: int) -> None:
-    """vLLM binds its worker's OpenMP threads to cores itself: with a KV connector on a 2-core host
-    it takes every core (it reserves one more for transfers, finds none left, and binds to all),
-    and each engine binds the same cores. Unbound, with the service's thread count, the engines of
-    one host share the cores through the OS scheduler (measured: docs/results/vllm.md, the decode cost)."""
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    os.environ["OMP_NUM_THREADS"] = str(max(1, threads))
+def engine_host(settings: EngineSettings) -> str:
+    """The address peers reach this engine at (its NIXL side channel, vLLM's own host IP)."""
+    return settings.engine_host_ip or settings.host
+
+
+def engine_environment(settings: EngineSettings, kv: KvTransfer | None = None) -> dict[str, str]:
+    """What vLLM's processes (EngineCore, Worker) read from their environment, from the service's
+    settings: set before the engine spawns them, and over the operator's (the settings say it).
+
+    - host: `VLLM_HOST_IP` and the NIXL side channel (served by EngineCore, advertised in every KV
+      handoff as `remote_host`: decode dials it) on the engine's address;
+    - UCX: the devices and transports vLLM's NIXL agent (the KV) moves bytes over, as the project's
+      agents do (`--ucx-net-devices`, `--ucx-tls`);
+    - CPU only: vLLM binds its worker's OpenMP threads to cores itself: with a KV connector on a
+      2-core host it takes every core (it reserves one more for transfers, finds none left, and
+      binds to all), and each engine binds the same cores. Unbound, with the service's thread
+      count, the engines of one host share the cores through the OS scheduler (measured:
+      docs/results/vllm.md, the decode cost)."""
+    host = engine_host(settings)
+    env = {"VLLM_HOST_IP": host, "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "UCX_NET_DEVICES": settings.ucx_net_devices}
+    if settings.ucx_tls:
+        env["UCX_TLS"] = settings.ucx_tls
+    if kv is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv.side_channel_port)
+    if settings.device == "cpu":
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(max(1, settings.torch_threads))}
+    return env
 
 
 @dataclass(frozen=True)
@@ -74,29 +96,43 @@ def refuse_unsupported(model: Path) -> None:
         raise SystemExit(f"epd: {why}")
 
 
-def import_vllm() -> None:
+def import_vllm(settings: EngineSettings) -> None:
     """Import vLLM's engine (10-18 s on 2 cores) once per process, before an engine start is timed
-    (`engine_start_timeout_s` bounds the engine's start, not the import)."""
-    loopback_environment()
+    (`engine_start_timeout_s` bounds the engine's start, not the import); a vLLM build for another
+    device than `--device` ends the service, naming both."""
+    process_environment()
+    from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
 
+    built_for = str(current_platform.device_type)
+    if built_for != settings.device:
+        raise SystemExit(
+            f"epd: --device {settings.device}, but the installed vLLM is the {built_for or 'unknown'} build: "
+            "install the vLLM wheel of that device (docs/vllm-operations.md, install variants)"
+        )
 
-def build_engine(
+
+def side_channel_port(settings: EngineSettings) -> int:
+    """The NIXL side-channel port of an engine start: the fixed one, or one free on the engine's
+    address now (a restart gets a new one: the old engine's socket may linger)."""
+    if settings.nixl_side_channel_port:
+        return settings.nixl_side_channel_port
+    with socket.socket() as sock:
+        sock.bind((engine_host(settings), 0))
+        return int(sock.getsockname()[1])
+
+
+def engine_args(
     settings: EngineSettings, *, failure_dir: Path, ec_consumer: bool, kv: KvTransfer | None = None
-) -> Any:
-    """A started `AsyncLLM` (blocking: spawns EngineCore and Worker, loads weights)."""
-    loopback_environment()
-    cpu_environment(settings.torch_threads)
-    from vllm.config import ECTransferConfig, KVTransferConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
+) -> dict[str, Any]:
+    """vLLM's engine arguments from the service's settings (plain values; the two transfer configs
+    as dicts of their fields, made vLLM's config objects by `build_engine`)."""
     args: dict[str, Any] = dict(
         model=str(settings.model),
         served_model_name=settings.model_id or settings.model.name,
-        dtype="float32",
-        enforce_eager=True,
-        kv_cache_memory_bytes=settings.kv_cache_mib << 20,
+        dtype=settings.dtype,
+        enforce_eager=settings.enforce_eager,
+        tensor_parallel_size=settings.tensor_parallel_size,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_batch,
         seed=0,
@@ -107,33 +143,66 @@ def build_engine(
         # land in prometheus_client's registry, which the service's /metrics serves (docs/tracing.md).
         disable_log_stats=False,
     )
+    if settings.gpu_memory_utilization > 0:
+        args["gpu_memory_utilization"] = settings.gpu_memory_utilization  # vLLM sizes the KV cache
+    else:
+        args["kv_cache_memory_bytes"] = settings.kv_cache_mib << 20  # else vLLM sizes it from all RAM
     if isinstance(settings, ChunkedPrefillSettings):
         # The reference engine's prefill chunks, in vLLM's scheduler: while other requests are
         # running or waiting, one prompt gets at most this many tokens of a step, so a short text
         # request is not held behind a whole multimodal prefill (a lone prompt still runs whole).
         args["long_prefill_token_threshold"] = min(settings.prefill_chunk_tokens, settings.max_model_len)
     if ec_consumer:
-        args["ec_transfer_config"] = ECTransferConfig(
+        args["ec_transfer_config"] = dict(
             ec_connector="EpdECConnector",
             ec_connector_module_path=EC_CONNECTOR_MODULE,
             ec_role="ec_consumer",
-            ec_connector_extra_config={"failure_dir": str(failure_dir)},
+            # The worker's NIXL agent, as the service's settings say (libs/serving/transport.py).
+            ec_connector_extra_config={
+                "failure_dir": str(failure_dir),
+                "pool_mib": settings.pool_mib,
+                "ucx_net_devices": settings.ucx_net_devices,
+                "ucx_tls": settings.ucx_tls,
+                "checksum": settings.checksum,
+            },
         )
     if kv is not None:
-        # Read by the spawned EngineCore, which serves the side channel (the worker reads its own
-        # copy of the environment too): set before the engine spawns them.
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv.side_channel_port)
-        args["kv_transfer_config"] = KVTransferConfig(
+        args["kv_transfer_config"] = dict(
             kv_connector="EpdNixlConnector",
             kv_connector_module_path=KV_CONNECTOR_MODULE,
             kv_role=kv.role,
-            kv_buffer_device="cpu",
+            kv_buffer_device=settings.device,  # the KV is read where the engine keeps it
             engine_id=kv.engine_id,
             kv_load_failure_policy="fail",  # "recompute" would run the vision tower on metadata-only items
             kv_connector_extra_config={"num_threads": 1, "kv_lease_duration": max(1, int(settings.lease_ttl_s))},
         )
         args["worker_extension_cls"] = f"{KV_CONNECTOR_MODULE}.EpdKvWorkerExtension"
+    return args
+
+
+def build_engine(
+    settings: EngineSettings, *, failure_dir: Path, ec_consumer: bool, kv: KvTransfer | None = None
+) -> Any:
+    """A started `AsyncLLM` (blocking: spawns EngineCore and Worker, loads weights)."""
+    process_environment()
+    # Read by the spawned processes (the worker reads its own copy of the environment too).
+    os.environ.update(engine_environment(settings, kv))
+    from vllm.config import ECTransferConfig, KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = engine_args(settings, failure_dir=failure_dir, ec_consumer=ec_consumer, kv=kv)
+    if "ec_transfer_config" in args:
+        args["ec_transfer_config"] = ECTransferConfig(**args["ec_transfer_config"])
+    if "kv_transfer_config" in args:
+        args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+
+def engine_dtype(llm: Any) -> str:
+    """The dtype a started engine computes and keeps its KV cache in ("float32", "bfloat16", ...):
+    `--dtype` as vLLM resolved it ("auto": the checkpoint's, per device)."""
+    return str(llm.vllm_config.model_config.dtype).removeprefix("torch.")
 
 
 def engine_priority(priority: int) -> int:
