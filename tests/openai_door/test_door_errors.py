@@ -114,7 +114,8 @@ def test_https_with_tokens_refuses_a_missing_or_wrong_token_with_401(tmp_path: P
     tokens = tmp_path / "tokens"
     tokens.write_text(token + "\n")
     args = ["--tls-ca", str(ca_path), "--tls-cert", str(cert), "--tls-key", str(key), "--auth-tokens-file", str(tokens)]
-    with door(tmp_path, f"127.0.0.1:{_free_port()}", *args) as address, httpx.Client(verify=ssl.create_default_context(cafile=str(ca_path))) as client:
+    trusted = ssl.create_default_context(cafile=str(ca_path))
+    with door(tmp_path, f"127.0.0.1:{_free_port()}", *args) as address, httpx.Client(verify=trusted) as client:
         url = f"https://{address}/v1/chat/completions"
         missing = client.post(url, json=CHAT, timeout=60)
         wrong = client.post(url, json=CHAT, headers={"authorization": f"Bearer {'w' * 32}"}, timeout=60)
