@@ -18,8 +18,10 @@ PAGED_KV = "kv.paged_blocks"
 # the service starts (libs/backends/vllm) and by `epd up`'s checks (libs/launch), naming the pair.
 REFUSED: dict[tuple[str, str], str] = {
     ("vllm", "whisper"): (
-        "vLLM returns empty transcripts for the converted Whisper checkpoint (issue 25); "
-        "serve Whisper on the reference engine (--engine reference)"
+        "vLLM returns empty transcripts for the converted Whisper checkpoint (issue 25): vLLM 0.32 prompts "
+        "every Whisper model with language and task tokens (<|en|><|transcribe|>), which the English-only "
+        "tiny.en was not trained with and answers with end-of-text at once; serve Whisper on the reference "
+        "engine (--engine reference)"
     ),
 }
 
