@@ -26,6 +26,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.datastructures import UploadFile as StarletteUpload
+from tokenizers import Tokenizer
 
 from libs.client.openai import chat, completions, errors, responses, transcription
 from libs.client.openai.errors import ApiError
@@ -48,8 +49,8 @@ class DoorConfig:
     default_temperature: float
     max_body_bytes: int
     tokens: frozenset[str]  # bearer tokens the door accepts (empty: none needed), passed on to the router
-    # Id of Whisper's first timestamp token (<|0.00|>) when the stack serves a speech model, else None.
-    timestamp_begin: int | None = None
+    # What transcription needs of a speech model's vocabulary (Whisper), else None.
+    speech: SpeechVocab | None = None
 
 
 @dataclass(frozen=True)
@@ -335,7 +336,7 @@ def create_app(
     async def transcriptions(request: fastapi.Request) -> Response:
         span_context = propagate.extract(dict(request.headers))
         token = authorize(request)
-        if config.timestamp_begin is None:
+        if config.speech is None:
             raise ApiError(
                 404, f"{config.served_model!r} is not a speech model: no transcriptions here", code="model_not_found"
             )
@@ -376,7 +377,9 @@ def create_app(
             return PlainTextResponse(text + "\n")
         if parsed.response_format == "json":
             return JSONResponse({"text": text})
-        found = transcription.segments(chunks, config.timestamp_begin)
+        assert config.speech is not None
+        tokens = [t for ids, _ in chunks for t in ids]
+        found = transcription.segments(tokens, config.speech.timestamp_begin, config.speech.decode)
         return JSONResponse(transcription.verbose(text, found, transcription.duration_s(parsed.audio)))
 
     return app
@@ -397,18 +400,26 @@ def _record(span: trace.Span, exc: ApiError, metrics: Metrics) -> None:
         metrics.cancelled.inc()
 
 
-def whisper_timestamp_begin(checkpoint: Path) -> int | None:
-    """Whisper's <|0.00|> token id (the one after <|notimestamps|>) from the checkpoint's
-    tokenizer.json, or None for a checkpoint that is not Whisper."""
+@dataclass(frozen=True)
+class SpeechVocab:
+    timestamp_begin: int  # id of <|0.00|>, the token after <|notimestamps|>
+    decode: Callable[[list[int]], str]  # token ids -> text, special tokens left out
+
+
+def whisper_vocab(checkpoint: Path) -> SpeechVocab | None:
+    """A Whisper checkpoint's tokenizer (tokenizer.json, with the `tokenizers` library: no model
+    code), or None for a checkpoint that is not Whisper."""
     try:
         config = json.loads((checkpoint / "config.json").read_text())
-        if config.get("model_type") != "whisper":
-            return None
-        added = json.loads((checkpoint / "tokenizer.json").read_text())["added_tokens"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError):
+        return None  # not a checkpoint this host can read (a path only the pods have)
+    if config.get("model_type") != "whisper":
         return None
-    ids = [t["id"] for t in added if t.get("content") == "<|notimestamps|>"]
-    return int(ids[0]) + 1 if ids else None
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))  # a broken one stops the door
+    begin = tokenizer.token_to_id("<|notimestamps|>")
+    if begin is None:
+        return None
+    return SpeechVocab(begin + 1, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)))
 
 
 async def router_health(stub: health_pb2_grpc.HealthStub) -> bool:

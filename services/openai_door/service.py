@@ -22,7 +22,7 @@ from libs.rpc import server as rpc_server
 from libs.rpc.main import exit_with_parent
 from libs.rpc.security import TlsMaterial
 from libs.telemetry import configure_logging, configure_tracing
-from services.openai_door.app import DoorConfig, create_app, router_health, whisper_timestamp_begin
+from services.openai_door.app import DoorConfig, create_app, router_health, whisper_vocab
 from services.openai_door.calls import Caller
 
 NAME = "openai_door"
@@ -89,7 +89,7 @@ async def serve(settings: DoorSettings) -> None:
         default_temperature=settings.default_temperature,
         max_body_bytes=settings.max_body_mib << 20,
         tokens=tokens,
-        timestamp_begin=whisper_timestamp_begin(settings.model),
+        speech=whisper_vocab(settings.model),
     )
     app = create_app(config, caller, fetch, lambda: router_health(health_stub))
     sock = _bind(settings.host, settings.port)

@@ -229,14 +229,16 @@ def test_transcription_form() -> None:
         assert caught.value.param == param
 
 
-def test_segments_continue_across_windows() -> None:
+def test_segments_follow_the_timestamp_tokens_across_windows() -> None:
     begin = 1000  # <|0.00|>; token 1000 + k marks k * 0.02 s
-    window_one = [([begin, 1, 2, begin + 250], " one"), ([begin + 250, 3, begin + 1400], " two")]
-    window_two = [([begin, 4, begin + 100], " three")]  # counts from 28.0 s, where window one's last segment ended
-    found = transcription.segments([*window_one, *window_two, ([7], "")], begin)
+    window_one = [begin, 1, 2, begin + 250, begin + 260, 3, begin + 1400]  # 0-5 s, 5.2-28 s
+    window_two = [begin, 4, begin + 100, 5]  # counts from 28 s, where window one's last segment ended; a tail
+    found = transcription.segments(window_one + window_two, begin, lambda ids: "".join(f"<{t}>" for t in ids))
     assert [(s.start_s, s.end_s, s.text) for s in found] == [
-        (0.0, 5.0, " one"),
-        (5.0, 28.0, " two"),
-        (28.0, 30.0, " three"),
+        (0.0, 5.0, "<1><2>"),
+        (5.2, 28.0, "<3>"),
+        (28.0, 30.0, "<4>"),
+        (30.0, 30.0, "<5>"),
     ]
     assert found[0].tokens == (1, 2)
+    assert transcription.segments([7, 8], begin, str)[0].start_s == 0.0  # no timestamps: one segment from 0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from libs.client.transcribe import audio_item, transcription_request
 from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
@@ -24,6 +25,7 @@ from libs.launch.stack import Stack, StackSpec
 from libs.runtime.checkpoints.generate import ensure_converted
 from libs.serving.speech import SPEECH_TRANSCRIPTION
 from tests.support.epd_cli import parse_table, run_epd
+from tests.support.hf_reference import reference_audio
 from tests.support.metrics import counter_total
 from tests.support.openai_door import running_door
 from tests.support.release_tree import release_checkout
@@ -244,6 +246,18 @@ def test_openai_transcriptions_equal_generate(whisper_path: Path, door_url: str)
         model=whisper_path.name, file=("short.wav", short, "audio/wav"), response_format="text"
     )
     assert str(as_text).strip() == expected
+    # Within one window, the segments are generate(return_timestamps=True)'s, as its tokenizer offsets them.
+    twenty = utterance(*UTTERANCES["twenty_seconds"])
+    audio = reference_audio(twenty, "wav", 16000)
+    features = processor(audio, sampling_rate=16000, return_tensors="pt").input_features
+    with torch.inference_mode():
+        timed = model.generate(features, return_timestamps=True)[0].tolist()
+    offsets = processor.tokenizer.decode(timed, output_offsets=True, skip_special_tokens=True)["offsets"]
+    one_window = client.audio.transcriptions.create(
+        model=whisper_path.name, file=("twenty.wav", twenty, "audio/wav"), response_format="verbose_json"
+    )
+    got = [(s.start, s.end, s.text.strip()) for s in one_window.segments or []]
+    assert got == [(round(o["timestamp"][0], 2), round(o["timestamp"][1], 2), o["text"].strip()) for o in offsets]
     long_form = utterance(*UTTERANCES["long_form"])
     verbose = client.audio.transcriptions.create(
         model=whisper_path.name, file=("long.wav", long_form, "audio/wav"), response_format="verbose_json"

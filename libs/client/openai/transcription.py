@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,22 +71,38 @@ class Segment:
     tokens: tuple[int, ...]
 
 
-def segments(chunks: Iterable[tuple[list[int], str]], timestamp_begin: int) -> list[Segment]:
-    """Segments of a transcript streamed with timestamp tokens: each chunk the router sends is a
-    closed segment (or a window's tail) with the text of its tokens. A window's timestamps count
-    from the window's start, which is where the previous window's last complete segment ended: a
-    segment starting before the last end begins the next window."""
+def segments(token_ids: Sequence[int], timestamp_begin: int, decode: Callable[[list[int]], str]) -> list[Segment]:
+    """Segments of a transcript streamed with timestamp tokens, as Whisper marks them: a timestamp
+    opens a segment, the next one closes it (a pair of consecutive timestamps closes one and opens
+    the next). A window's timestamps count from the window's start, which is where the previous
+    window's last complete segment ended: a segment opening before the last end begins the next
+    window. Text without an opening timestamp starts where the last segment ended."""
     found: list[Segment] = []
-    offset = 0.0
-    for token_ids, text in chunks:
-        marks = [(t - timestamp_begin) * SECONDS_PER_TIMESTAMP for t in token_ids if t >= timestamp_begin]
-        words = tuple(t for t in token_ids if t < timestamp_begin)
-        if not marks or not (words or text.strip()):
+    offset = 0.0  # seconds the current window starts at
+    start: float | None = None  # the open segment's start, in seconds (None: none open)
+    words: list[int] = []
+
+    def close(end_s: float) -> None:
+        if words:
+            assert start is not None
+            found.append(Segment(round(start, 2), round(max(end_s, start), 2), decode(words), tuple(words)))
+
+    for token in token_ids:
+        if token < timestamp_begin:
+            if start is None:
+                start = found[-1].end_s if found else 0.0
+            words.append(token)
             continue
-        if found and offset + marks[0] < found[-1].end_s - 1e-6:
-            offset = found[-1].end_s
-        start, end = offset + marks[0], offset + marks[-1]
-        found.append(Segment(round(start, 2), round(max(end, start), 2), text, words))
+        at = (token - timestamp_begin) * SECONDS_PER_TIMESTAMP
+        if start is None:
+            if found and offset + at < found[-1].end_s - 1e-6:
+                offset = found[-1].end_s
+            start, words = offset + at, []
+        else:
+            close(offset + at)
+            start, words = None, []
+    if start is not None:
+        close(start)
     return found
 
 
