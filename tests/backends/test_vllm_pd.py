@@ -276,25 +276,6 @@ async def _pd_drains(stack: Stack) -> tuple[int, list[str], list[list[int]]]:
             return at_signal, probes, list(await asyncio.gather(*done))
 
 
-def test_sigterm_drains_streams_in_flight_then_exits(vllm_epd_stack: Stack) -> None:
-    undisturbed = [
-        call(vllm_epd_stack.address, request(MIXES[n], max_tokens=DRAINED_TOKENS), timeout_s=600).token_ids
-        for n in DRAINED
-    ]
-    _wait_empty(vllm_epd_stack)
-    at_signal, probes, finished = asyncio.run(_pd_drains(vllm_epd_stack))
-    assert at_signal == len(DRAINED)  # in flight at the signal (held by the stopped engine)
-    assert finished == undisturbed  # every token
-    *before, refused = probes
-    assert set(before) <= {"OK"} and refused.startswith("UNAVAILABLE: ") and "draining" in refused, probes
-    pd = vllm_epd_stack.processes["pd"]
-    assert pd.process is not None and pd.process.wait(120) == 0, pd.log_tail()
-    for name, process in vllm_epd_stack.processes.items():  # every embedding the PD read was acked
-        if name.startswith("encoder"):
-            pool = run(stats, process.address).pool
-            assert pool.slots_in_use == pool.active_leases == 0, name
-
-
 @pytest.fixture(scope="module")
 def door_url(vllm_epd_stack: Stack, omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The OpenAI door in front of the vLLM stack's router."""
@@ -335,3 +316,22 @@ def test_a_client_leaving_the_door_mid_stream_frees_vllm(vllm_epd_stack: Stack, 
 
 def omni_tiny_name() -> str:
     return "qwen2_5_omni-tiny"
+
+
+def test_sigterm_drains_streams_in_flight_then_exits(vllm_epd_stack: Stack) -> None:
+    undisturbed = [
+        call(vllm_epd_stack.address, request(MIXES[n], max_tokens=DRAINED_TOKENS), timeout_s=600).token_ids
+        for n in DRAINED
+    ]
+    _wait_empty(vllm_epd_stack)
+    at_signal, probes, finished = asyncio.run(_pd_drains(vllm_epd_stack))
+    assert at_signal == len(DRAINED)  # in flight at the signal (held by the stopped engine)
+    assert finished == undisturbed  # every token
+    *before, refused = probes
+    assert set(before) <= {"OK"} and refused.startswith("UNAVAILABLE: ") and "draining" in refused, probes
+    pd = vllm_epd_stack.processes["pd"]
+    assert pd.process is not None and pd.process.wait(120) == 0, pd.log_tail()
+    for name, process in vllm_epd_stack.processes.items():  # every embedding the PD read was acked
+        if name.startswith("encoder"):
+            pool = run(stats, process.address).pool
+            assert pool.slots_in_use == pool.active_leases == 0, name
