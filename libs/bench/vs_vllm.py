@@ -169,7 +169,10 @@ class Results:
                     point["configs"][config] = {
                         key: median_range(self.values(config, dataset, conc, key)) for key, _, _ in METRICS
                     }
-                    for target, name in ((PEERS.get(config), "vs_peer"), (UNSPLIT if config != UNSPLIT else None, "vs_unsplit")):
+                    for target, name in (
+                        (PEERS.get(config), "vs_peer"),
+                        (UNSPLIT if config != UNSPLIT else None, "vs_unsplit"),
+                    ):
                         if target is None or target not in self.runs:
                             continue
                         point[name][f"{config}/{target}"] = {
@@ -182,23 +185,23 @@ class Results:
 
 def _cell(s: dict[str, float], digits: int = 1) -> str:
     if s["n"] == 0:
-        return "–"
+        return "-"
     if s["n"] == 1 or s["min"] == s["max"]:
         return f"{s['median']:.{digits}f}"
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
 
 
 def table(summary: dict[str, Any]) -> str:
-    """Markdown: each point's configurations (median (min–max) over repeats), then the ratios."""
+    """Markdown: each point's configurations (median (min-max) over repeats), then the ratios."""
     head = "| point | configuration | " + " | ".join(label for _, label, _ in METRICS) + " |"
     rule = "|---|---|" + "---|" * len(METRICS)
-    lines = ["### Figures (median (min–max) over repeats)", "", head, rule]
+    lines = ["### Figures (median (min-max) over repeats)", "", head, rule]
     for name, point in summary.items():
         for config in CONFIGS:
             if config in point["configs"]:
                 m = point["configs"][config]
                 lines.append(f"| {name} | {config} | " + " | ".join(_cell(m[k]) for k, _, _ in METRICS) + " |")
-    lines += ["", "### Ratios EPD / peer and each / unsplit (median (min–max) over repeats; "
+    lines += ["", "### Ratios EPD / peer and each / unsplit (median (min-max) over repeats; "
               "**bold**: the whole range on EPD's side of 1.0)", "",
               head.replace("configuration", "ratio"), rule]  # fmt: skip
     for name, point in summary.items():
@@ -214,7 +217,7 @@ def table(summary: dict[str, Any]) -> str:
 
 def plot(summary: dict[str, Any], path: Path) -> bool:
     """TTFT p50 and output tokens/s against concurrency, one line per configuration and dataset
-    (median, whiskers min–max); False when matplotlib is missing."""
+    (median, whiskers min-max); False when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -304,10 +307,9 @@ def wait_http(url: str, procs: Sequence[ServiceProcess], timeout_s: float) -> No
         for p in procs:
             if not p.alive():
                 raise RuntimeError(f"{p.name} exited before {url} answered:\n{p.log_tail(25)}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
+            if resp.status == 200:
+                return
         time.sleep(0.5)  # a readiness probe: the server's own /v1/models is the event
     raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
 

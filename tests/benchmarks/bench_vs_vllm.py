@@ -44,7 +44,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ready-timeout-s", type=float, default=420.0, help="per configuration start")
     parser.add_argument("--point-timeout-s", type=float, default=300.0, help="per bench serve run")
-    parser.add_argument("--out", default="", help="path prefix for .json/.png/.table.md (e.g. docs/results/bench-vs-vllm)")
+    parser.add_argument(
+        "--out", default="", help="path prefix for .json/.png/.table.md (e.g. docs/results/bench-vs-vllm)"
+    )
     ns = parser.parse_args()
     if ns.quick:
         ns.concurrency, ns.repeats, ns.prompts, ns.prompts_at_64 = "1,4", 1, 8, 8
