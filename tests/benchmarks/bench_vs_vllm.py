@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -112,18 +113,35 @@ def main() -> None:
         record["wall_s"] = time.monotonic() - t0
         record["load_after"] = vs_vllm.load_average()
         runs.append(record)
-    summary = results.summary()
-    text = vs_vllm.table(summary)
+        write(ns, model, engine, results, runs, notes, final=False)
+    text = write(ns, model, engine, results, runs, notes, final=True)
     print(text)
     for config, errs in results.errors.items():
         print(f"{config} failed {len(errs)}x: {errs[-1][-600:]}")
+
+
+def write(
+    ns: argparse.Namespace,
+    model: Path,
+    engine: vs_vllm.Engine,
+    results: vs_vllm.Results,
+    runs: list[dict[str, Any]],
+    notes: dict[str, str],
+    *,
+    final: bool,
+) -> str:
+    """The table, and with --out the files: after every run (an interrupted run keeps what it
+    measured; `complete` says whether the whole schedule ran)."""
+    summary = results.summary()
+    text = vs_vllm.table(summary)
     if ns.out:
         out = ROOT / ns.out
         out.parent.mkdir(parents=True, exist_ok=True)
         doc = {
             "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "host": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
-            "checkpoint": f"{FAMILY} tiny ({model})",
+            "complete": final,
+            "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
+            "checkpoint": f"{FAMILY} tiny ({model.name})",
             "engine": vars(engine),
             "args": vars(ns),
             "notes": notes,
@@ -135,7 +153,9 @@ def main() -> None:
         out.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
         out.with_suffix(".table.md").write_text(text + "\n")
         vs_vllm.plot(summary, out.with_suffix(".png"))
-        print(f"wrote {out}.json, {out}.table.md, {out}.png")
+        if final:
+            print(f"wrote {out}.json, {out}.table.md, {out}.png")
+    return text
 
 
 if __name__ == "__main__":
