@@ -46,6 +46,9 @@ METRICS: tuple[tuple[str, str, bool], ...] = (
     ("p90_ttft_ms", "TTFT p90 (ms)", True),
     ("p99_ttft_ms", "TTFT p99 (ms)", True),
     ("median_tpot_ms", "TPOT p50 (ms)", True),
+    # End to end per request: the fair per-request figure where a server sends its tokens in
+    # bursts (TPOT then reads near 0 and TTFT carries the wait).
+    ("median_e2el_ms", "E2E p50 (ms)", True),
     ("request_throughput", "req/s", False),
     ("output_throughput", "out tok/s", False),
 )

@@ -48,6 +48,12 @@ def main() -> None:
     parser.add_argument(
         "--out", default="", help="path prefix for .json/.png/.table.md (e.g. docs/results/bench-vs-vllm)"
     )
+    parser.add_argument(
+        "--from-runs",
+        default="",
+        help="re-read bench serve's result files under this run folder "
+        "(var/run/bench-vs-vllm) instead of measuring: the table and files again",
+    )
     ns = parser.parse_args()
     if ns.quick:
         ns.concurrency, ns.repeats, ns.prompts, ns.prompts_at_64 = "1,4", 1, 8, 8
@@ -68,6 +74,10 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     notes: dict[str, str] = {}
     started = time.time()
+    if ns.from_runs:
+        reread(Path(ns.from_runs), pts, results)
+        print(write(ns, model, engine, results, [], {}, final=True))
+        return
     for repeat, config in vs_vllm.schedule(configs, ns.repeats):
         tag = config.replace("/", "_")
         run_dir = work / f"r{repeat}-{tag}"
@@ -118,6 +128,20 @@ def main() -> None:
     print(text)
     for config, errs in results.errors.items():
         print(f"{config} failed {len(errs)}x: {errs[-1][-600:]}")
+
+
+def reread(folder: Path, pts: list[vs_vllm.Point], results: vs_vllm.Results) -> None:
+    """Results from the result files a measuring run left (folders `r<repeat>-<config>`)."""
+    names = {c.replace("/", "_"): c for c in vs_vllm.CONFIGS}
+    for run_dir in sorted(folder.glob("r*-*"), key=lambda p: int(p.name[1:].split("-", 1)[0])):
+        config = names.get(run_dir.name.split("-", 1)[1])
+        if config is None:
+            continue
+        for point in pts:
+            path = run_dir / "results" / f"{point.dataset}-c{point.concurrency}.json"
+            # A point without its file stays in place (NaN), so ratios still pair by repeat.
+            found = vs_vllm.metrics_of(json.loads(path.read_text())) if path.exists() else {"error": "no result file"}
+            results.add(config, point, found)
 
 
 def write(
