@@ -76,7 +76,12 @@ def main() -> None:
     started = time.time()
     if ns.from_runs:
         reread(Path(ns.from_runs), pts, results)
-        print(write(ns, model, engine, results, [], {}, final=True))
+        # The measuring run's own records (starts, PIDs, load) stay when its JSON is the output.
+        prior = ROOT / ns.out if ns.out else None
+        kept = (
+            json.loads(prior.with_suffix(".json").read_text()) if prior and prior.with_suffix(".json").exists() else {}
+        )
+        print(write(ns, model, engine, results, kept.get("runs", []), kept.get("notes", {}), final=True))
         return
     for repeat, config in vs_vllm.schedule(configs, ns.repeats):
         tag = config.replace("/", "_")
