@@ -69,7 +69,6 @@ def main() -> None:
     model = ensure_checkpoint(FAMILY, "tiny")
     engine = vs_vllm.Engine()
     work = ROOT / "var/run/bench-vs-vllm"
-    shutil.rmtree(work, ignore_errors=True)
     results = vs_vllm.Results()
     runs: list[dict[str, Any]] = []
     notes: dict[str, str] = {}
@@ -83,6 +82,7 @@ def main() -> None:
         )
         print(write(ns, model, engine, results, kept.get("runs", []), kept.get("notes", {}), final=True))
         return
+    shutil.rmtree(work, ignore_errors=True)  # the previous measuring run's folders (after --from-runs read them)
     for repeat, config in vs_vllm.schedule(configs, ns.repeats):
         tag = config.replace("/", "_")
         run_dir = work / f"r{repeat}-{tag}"
