@@ -93,7 +93,8 @@ bench-vllm: deps ## TTFT and throughput: EPD on vLLM vs vLLM's own E+PD vs vLLM 
 	$(PY) tests/benchmarks/bench_vllm.py --family qwen2_5_vl --requests 12 --concurrency 4
 
 # vLLM's own client against EPD behind the OpenAI door and vLLM's own E+PD / P/D / unsplit servers,
-# each alone, interleaved repeats (docs/results/bench-vs-vllm.md; ~1 h on 2 cores).
+# each alone, interleaved repeats (docs/results/bench-vs-vllm.md; 1-2 h on 2 cores: the E/P/D pair is slow,
+# each bench serve point is bounded by --point-timeout-s).
 bench-vs-vllm: deps ## EPD (door) vs vLLM's own deployments on `vllm bench serve`, c=1..64, 3 repeats (not in make test)
 	$(PY) tests/benchmarks/bench_vs_vllm.py --repeats 3 --out docs/results/bench-vs-vllm
 
