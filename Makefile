@@ -20,7 +20,7 @@ SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 # espeak-ng synthesizes the speech the Whisper demo and tests transcribe; `make run` calls the OpenAI door with curl.
 SYSTEM_PACKAGES := libibverbs1 espeak-ng curl
 
-.PHONY: help deps proto proto-check lint test test-fast run clean models bench-engine bench-transfer bench-cache bench-vllm bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign callpath fuzz soak
+.PHONY: help deps proto proto-check lint test test-fast run clean models bench-engine bench-transfer bench-cache bench-vllm bench-vs-vllm bench-vs-vllm-quick bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign callpath fuzz soak
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -91,6 +91,15 @@ bench-cache: deps ## reassignment experiment: encodes and p90 TTFT with/without 
 
 bench-vllm: deps ## TTFT and throughput: EPD on vLLM vs vLLM's own E+PD vs vLLM unsplit (not part of make test)
 	$(PY) tests/benchmarks/bench_vllm.py --family qwen2_5_vl --requests 12 --concurrency 4
+
+# vLLM's own client against EPD behind the OpenAI door and vLLM's own E+PD / P/D / unsplit servers,
+# each alone, interleaved repeats (docs/results/bench-vs-vllm.md; 1-2 h on 2 cores: the E/P/D pair is slow,
+# each bench serve point is bounded by --point-timeout-s).
+bench-vs-vllm: deps ## EPD (door) vs vLLM's own deployments on `vllm bench serve`, c=1..64, 3 repeats (not in make test)
+	$(PY) tests/benchmarks/bench_vs_vllm.py --repeats 3 --out docs/results/bench-vs-vllm
+
+bench-vs-vllm-quick: deps ## the same, smoke size: c=1,4, one repeat, 8 prompts (not in make test)
+	$(PY) tests/benchmarks/bench_vs_vllm.py --quick --out var/bench-vs-vllm-quick
 
 bench-transfer: deps ## NIXL vs memcpy vs inline gRPC throughput, 64 KiB latency (not part of make test)
 	$(PY) tests/benchmarks/bench_transfer.py

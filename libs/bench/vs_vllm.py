@@ -1,0 +1,421 @@
+"""`make bench-vs-vllm`: EPD on vLLM behind its OpenAI door against vLLM's own deployments, all
+measured by vLLM's own client (`vllm bench serve`), each configuration alone on the host.
+
+Configurations (same checkpoint, same requests: `bench serve --seed`):
+
+- `epd-e+pd`, `epd-e/p/d`: EPD on vLLM (reference encoder: EPD has no vLLM encoder yet) behind
+  `services/openai_door`;
+- `vllm-e+pd`: vLLM's own E+PD as it documents it: an encoder-only `vllm serve` (EC producer,
+  ECExampleConnector on a shared directory under var/) and a PD `vllm serve` (EC consumer), behind
+  `libs.bench.vllm_proxy` (what vLLM's example EPD proxy does);
+- `vllm-e/p/d`: the same encoder, a prefill `vllm serve` (EC consumer, NixlConnector kv_producer)
+  and a decode `vllm serve` (NixlConnector kv_consumer) behind the same proxy;
+- `vllm-unsplit`: one `vllm serve`.
+
+This module holds the pure parts (run schedule, bench serve's arguments, result parsing, ratio
+maths, table) and the process handling; tests/benchmarks/bench_vs_vllm.py drives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from libs.launch.process import ROOT, ServiceProcess, free_port
+from libs.launch.stack import Stack, StackSpec
+
+CONFIGS = ("epd-e+pd", "vllm-e+pd", "vllm-unsplit", "epd-e/p/d", "vllm-e/p/d")
+# Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
+PEERS = {"epd-e+pd": "vllm-e+pd", "epd-e/p/d": "vllm-e/p/d"}
+UNSPLIT = "vllm-unsplit"
+
+# Metrics read from bench serve's result JSON: (key in the JSON, label, lower is better).
+METRICS: tuple[tuple[str, str, bool], ...] = (
+    ("median_ttft_ms", "TTFT p50 (ms)", True),
+    ("p90_ttft_ms", "TTFT p90 (ms)", True),
+    ("p99_ttft_ms", "TTFT p99 (ms)", True),
+    ("median_tpot_ms", "TPOT p50 (ms)", True),
+    # End to end per request: the fair per-request figure where a server sends its tokens in
+    # bursts (TPOT then reads near 0 and TTFT carries the wait).
+    ("median_e2el_ms", "E2E p50 (ms)", True),
+    ("request_throughput", "req/s", False),
+    ("output_throughput", "out tok/s", False),
+)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """One `random-mm` shape: images per request (224x224 each), text tokens in, tokens out."""
+
+    name: str
+    images: int
+    input_len: int = 32
+    output_len: int = 16
+    side: int = 224
+
+    def args(self) -> list[str]:
+        return [
+            "--dataset-name", "random-mm",
+            "--random-input-len", str(self.input_len), "--random-range-ratio", "0",
+            "--random-output-len", str(self.output_len),
+            "--random-mm-base-items-per-request", str(self.images), "--random-mm-num-mm-items-range-ratio", "0",
+            "--random-mm-limit-mm-per-prompt", json.dumps({"image": self.images, "video": 0}),
+            "--random-mm-bucket-config", f"{{({self.side},{self.side},1): 1.0}}",
+        ]  # fmt: skip
+
+
+DATASETS = {"1img": Dataset("1img", 1), "3img": Dataset("3img", 3)}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured point: a dataset at a concurrency, with its own request seed (the same for
+    every configuration; a new seed per point keeps one start's prefix caches from serving the
+    next point's requests)."""
+
+    dataset: str
+    concurrency: int
+    prompts: int
+    seed: int
+
+
+def points(datasets: Sequence[str], concurrencies: Sequence[int], prompts: int, prompts_at_64: int) -> list[Point]:
+    out = []
+    for d, name in enumerate(datasets):
+        for c, conc in enumerate(concurrencies):
+            n = prompts_at_64 if conc >= 64 else prompts
+            out.append(Point(name, conc, max(n, conc), seed=1000 + 100 * d + c))
+    return out
+
+
+def schedule(configs: Sequence[str], repeats: int) -> list[tuple[int, str]]:
+    """Interleaved runs (A B C A B C ...): a slow spell on the host hits every configuration."""
+    return [(r, c) for r in range(repeats) for c in configs]
+
+
+def bench_serve_args(
+    *, base_url: str, model: str, tokenizer: str, dataset: Dataset, point: Point, result_dir: Path, filename: str
+) -> list[str]:
+    """vLLM's `bench serve` arguments for one point (openai-chat, streamed, --ignore-eos)."""
+    return [
+        "bench", "serve", "--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions",
+        "--model", model, "--tokenizer", tokenizer, *dataset.args(),
+        "--num-prompts", str(point.prompts), "--max-concurrency", str(point.concurrency),
+        "--seed", str(point.seed), "--ignore-eos", "--disable-tqdm",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+        "--save-result", "--result-dir", str(result_dir), "--result-filename", filename,
+    ]  # fmt: skip
+
+
+def metrics_of(result: dict[str, Any]) -> dict[str, float]:
+    """The metrics this benchmark reports, from one bench serve result JSON (NaN when absent)."""
+    out = {key: float(result.get(key, math.nan)) for key, _, _ in METRICS}
+    out["completed"] = float(result.get("completed", 0))
+    out["failed"] = float(result.get("failed", 0))
+    return out
+
+
+def median_range(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of the finite values (NaN each when none)."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return {"median": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    return {"median": statistics.median(finite), "min": min(finite), "max": max(finite), "n": len(finite)}
+
+
+def ratios(ours: Sequence[float], peers: Sequence[float]) -> list[float]:
+    """EPD / peer per repeat (pairs by repeat index: the two ran back to back); a pair with a
+    missing or zero side is left out."""
+    return [a / b for a, b in zip(ours, peers, strict=False) if math.isfinite(a) and math.isfinite(b) and b > 0]
+
+
+def wins(metric: str, summary: dict[str, float]) -> bool:
+    """Whether the whole range of a ratio is on EPD's side of 1.0."""
+    lower = next(low for key, _, low in METRICS if key == metric)
+    if summary["n"] == 0:
+        return False
+    return summary["max"] <= 1.0 if lower else summary["min"] >= 1.0
+
+
+@dataclass
+class Results:
+    """Every run's metrics: runs[config][dataset][concurrency] = one dict per repeat (or an error)."""
+
+    runs: dict[str, dict[str, dict[int, list[dict[str, Any]]]]] = field(default_factory=dict)
+    errors: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, config: str, point: Point, metrics: dict[str, Any]) -> None:
+        self.runs.setdefault(config, {}).setdefault(point.dataset, {}).setdefault(point.concurrency, []).append(metrics)
+
+    def values(self, config: str, dataset: str, concurrency: int, key: str) -> list[float]:
+        return [float(m.get(key, math.nan)) for m in self.runs.get(config, {}).get(dataset, {}).get(concurrency, [])]
+
+    def summary(self) -> dict[str, Any]:
+        """Per point: each configuration's median/range of every metric, and each EPD/peer and
+        config/unsplit ratio's median/range."""
+        out: dict[str, Any] = {}
+        for config, by_dataset in self.runs.items():
+            for dataset, by_conc in by_dataset.items():
+                for conc in by_conc:
+                    point = out.setdefault(f"{dataset}@c{conc}", {"configs": {}, "vs_peer": {}, "vs_unsplit": {}})
+                    point["configs"][config] = {
+                        key: median_range(self.values(config, dataset, conc, key)) for key, _, _ in METRICS
+                    }
+                    for target, name in (
+                        (PEERS.get(config), "vs_peer"),
+                        (UNSPLIT if config != UNSPLIT else None, "vs_unsplit"),
+                    ):
+                        if target is None or target not in self.runs:
+                            continue
+                        point[name][f"{config}/{target}"] = {
+                            key: median_range(ratios(self.values(config, dataset, conc, key),
+                                                     self.values(target, dataset, conc, key)))
+                            for key, _, _ in METRICS
+                        }  # fmt: skip
+        return out
+
+
+def _cell(s: dict[str, float], digits: int = 1) -> str:
+    if s["n"] == 0:
+        return "-"
+    if s["n"] == 1 or s["min"] == s["max"]:
+        return f"{s['median']:.{digits}f}"
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def table(summary: dict[str, Any]) -> str:
+    """Markdown: each point's configurations (median (min-max) over repeats), then the ratios."""
+    head = "| point | configuration | " + " | ".join(label for _, label, _ in METRICS) + " |"
+    rule = "|---|---|" + "---|" * len(METRICS)
+    lines = ["### Figures (median (min-max) over repeats)", "", head, rule]
+    for name, point in summary.items():
+        for config in CONFIGS:
+            if config in point["configs"]:
+                m = point["configs"][config]
+                lines.append(f"| {name} | {config} | " + " | ".join(_cell(m[k]) for k, _, _ in METRICS) + " |")
+    lines += ["", "### Ratios EPD / peer and each / unsplit (median (min-max) over repeats; "
+              "**bold**: the whole range on EPD's side of 1.0)", "",
+              head.replace("configuration", "ratio"), rule]  # fmt: skip
+    for name, point in summary.items():
+        for group in ("vs_peer", "vs_unsplit"):
+            for ratio, m in point[group].items():
+                cells = []
+                for key, _, _ in METRICS:
+                    text = _cell(m[key], 2)
+                    cells.append(f"**{text}**" if group == "vs_peer" and wins(key, m[key]) else text)
+                lines.append(f"| {name} | {ratio} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    """TTFT p50 and output tokens/s against concurrency, one line per configuration and dataset
+    (median, whiskers min-max); False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    series: dict[tuple[str, str], list[tuple[int, dict[str, Any]]]] = {}
+    for name, point in summary.items():
+        dataset, conc = name.split("@c")
+        for config, m in point["configs"].items():
+            series.setdefault((config, dataset), []).append((int(conc), m))
+    for (config, dataset), pts in sorted(series.items()):
+        pts.sort()
+        xs = [c for c, _ in pts]
+        for ax, key in zip(axes, ("median_ttft_ms", "output_throughput"), strict=True):
+            med = [m[key]["median"] for _, m in pts]
+            low = [m[key]["median"] - m[key]["min"] for _, m in pts]
+            high = [m[key]["max"] - m[key]["median"] for _, m in pts]
+            ax.errorbar(xs, med, yerr=[low, high], marker="o", capsize=3, label=f"{config} {dataset}",
+                        linestyle="-" if config.startswith("epd") else "--")  # fmt: skip
+    for ax, label in zip(axes, ("TTFT p50 (ms)", "output tokens/s"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].legend(fontsize=7)
+    fig.suptitle("EPD on vLLM (door) vs vLLM's own deployments, vllm bench serve, 2 CPU cores")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# --- processes --------------------------------------------------------------------------------
+
+VLLM_ENV = {
+    # Loopback only, quiet; each split server gets one OpenMP thread unbound (as EPD's services on
+    # vLLM do, libs/backends/vllm/runtime.py), the unsplit one both cores.
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+    "UCX_NET_DEVICES": "lo",
+    "UCX_MODULES": "^ib",
+    "NIXL_LOG_LEVEL": "WARN",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+}
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What EPD's services on vLLM run with (libs/backends/vllm/runtime.py), given to vLLM's servers."""
+
+    kv_cache_mib: int = 64
+    max_num_seqs: int = 8
+    max_model_len: int = 4096
+
+
+def serve_args(model: Path, name: str, port: int, engine: Engine, extra: Sequence[str] = ()) -> list[str]:
+    return [
+        "serve", str(model), "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--seed", "0",
+        "--kv-cache-memory-bytes", str(engine.kv_cache_mib << 20),
+        "--max-num-seqs", str(engine.max_num_seqs), "--max-model-len", str(engine.max_model_len),
+        "--enable-request-id-headers", "--disable-uvicorn-access-log", *extra,
+    ]  # fmt: skip
+
+
+def ec_config(role: str, storage: Path) -> str:
+    return json.dumps({"ec_connector": "ECExampleConnector", "ec_role": role,
+                       "ec_connector_extra_config": {"shared_storage_path": str(storage)}})  # fmt: skip
+
+
+def kv_config(role: str) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
+
+
+def wait_http(url: str, procs: Sequence[ServiceProcess], timeout_s: float) -> None:
+    """Until GET url answers 200; a process of the configuration exiting first ends the wait."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in procs:
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited before {url} answered:\n{p.log_tail(25)}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
+            if resp.status == 200:
+                return
+        time.sleep(0.5)  # a readiness probe: the server's own /v1/models is the event
+    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+@dataclass
+class Deployment:
+    """A started configuration: where bench serve goes, and what to stop."""
+
+    config: str
+    base_url: str  # http://HOST:PORT (bench serve adds the endpoint)
+    model: str  # the name bench serve must use
+    procs: list[ServiceProcess] = field(default_factory=list)
+    stack: Stack | None = None
+    note: str = ""
+
+    def pids(self) -> list[int]:
+        pids = [p.pid for p in self.procs if p.process is not None]
+        if self.stack is not None:
+            pids += [p.pid for p in self.stack.processes.values() if p.process is not None]
+        return pids
+
+
+@contextlib.contextmanager
+def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_timeout_s: float) -> Iterator[Deployment]:
+    """Start one configuration, yield it ready, stop every process it started (by PID)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    name = model.name
+    if config.startswith("epd-"):
+        layout = config.removeprefix("epd-")
+        spec = StackSpec(layout=layout, encoders=1, model=model, run_dir=run_dir, engine="vllm",
+                         ready_timeout_s=ready_timeout_s, openai_door=True)  # fmt: skip
+        with Stack(spec).running() as stack:
+            dep = Deployment(config, stack.door_url.removesuffix("/v1"), name, stack=stack,
+                             note="reference encoder (EPD has no vLLM encoder yet)")  # fmt: skip
+            wait_http(stack.door_url + "/models", [], ready_timeout_s)
+            yield dep
+        return
+    storage = run_dir / "ec-storage"
+    storage.mkdir(parents=True, exist_ok=True)
+    procs: list[ServiceProcess] = []
+
+    def server(role: str, threads: int, extra: Sequence[str], env: dict[str, str] | None = None) -> str:
+        port = free_port()
+        proc = ServiceProcess(role, "libs.bench.vllm_cli", serve_args(model, name, port, engine, extra),
+                              run_dir / f"{role}.log",
+                              env={**VLLM_ENV, "OMP_NUM_THREADS": str(threads), **(env or {})})  # fmt: skip
+        proc.start()
+        procs.append(proc)
+        return f"http://127.0.0.1:{port}"
+
+    try:
+        if config == UNSPLIT:
+            url = server("unsplit", 2, [])
+            wait_http(url + "/v1/models", procs, ready_timeout_s)
+            yield Deployment(config, url, name, procs)
+            return
+        encoder = server("encoder", 1, ["--mm-encoder-only", "--no-enable-prefix-caching",
+                                        "--ec-transfer-config", ec_config("ec_producer", storage)])  # fmt: skip
+        prefill = ""
+        if config == "vllm-e+pd":
+            decode = server("pd", 1, ["--ec-transfer-config", ec_config("ec_consumer", storage)])
+        else:
+            prefill = server("prefill", 1,
+                             ["--ec-transfer-config", ec_config("ec_consumer", storage),
+                              "--kv-transfer-config", kv_config("kv_producer")],
+                             {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})  # fmt: skip
+            decode = server("decode", 1, ["--kv-transfer-config", kv_config("kv_consumer")],
+                            {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})  # fmt: skip
+        for url in (encoder, prefill, decode):
+            if url:
+                wait_http(url + "/v1/models", procs, ready_timeout_s)
+        port = free_port()
+        proxy_args = ["--port", str(port), "--encoder", encoder, "--decode", decode]
+        if prefill:
+            proxy_args += ["--prefill", prefill]
+        proxy = ServiceProcess("proxy", "libs.bench.vllm_proxy", proxy_args, run_dir / "proxy.log")
+        proxy.start()
+        procs.append(proxy)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/v1/models", procs, 60)
+        yield Deployment(config, url, name, procs, note="proxy: libs/bench/vllm_proxy.py")
+    finally:
+        for proc in reversed(procs):
+            proc.stop(timeout_s=20)
+
+
+def bench_serve(argv: list[str], log: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """vLLM's client in its own process (bounded in time), its output kept in `log`."""
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", "libs.bench.vllm_cli", *argv], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=timeout_s)  # fmt: skip
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(out.stdout + "\n--- stderr ---\n" + out.stderr)
+    return out
+
+
+def load_average() -> tuple[float, float, float]:
+    return os.getloadavg()
+
+
+__all__ = [
+    "CONFIGS", "DATASETS", "METRICS", "PEERS", "UNSPLIT", "Dataset", "Deployment", "Engine", "Point", "Results",
+    "bench_serve", "bench_serve_args", "deployed", "median_range", "metrics_of", "plot", "points", "ratios",
+    "schedule", "table", "wins",
+]  # fmt: skip
