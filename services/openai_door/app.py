@@ -45,7 +45,6 @@ _tracer = trace.get_tracer("epd.openai_door")
 class DoorConfig:
     served_model: str  # the model id clients send and /v1/models lists
     model_root: Path  # the checkpoint directory (/v1/models `root`: where clients find the tokenizer)
-    request_timeout_s: float
     default_temperature: float
     max_body_bytes: int
     tokens: frozenset[str]  # bearer tokens the door accepts (empty: none needed), passed on to the router

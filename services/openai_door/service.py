@@ -85,7 +85,6 @@ async def serve(settings: DoorSettings) -> None:
     config = DoorConfig(
         served_model=settings.served_model_name or settings.model.name,
         model_root=settings.model.resolve(),
-        request_timeout_s=settings.request_timeout_s,
         default_temperature=settings.default_temperature,
         max_body_bytes=settings.max_body_mib << 20,
         tokens=tokens,
