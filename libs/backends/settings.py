@@ -26,6 +26,9 @@ class EngineSettings(ModelServiceSettings):
         "own sizing; 0: the KV cache is --kv-cache-mib",
     )
     max_model_len: int = setting(4096, "vLLM: longest prompt + generation, in tokens")
+    max_num_batched_tokens: int = setting(
+        0, "vLLM: tokens one engine step computes at most (longer prompts are prefilled in chunks); 0: vLLM's default"
+    )
     device: str = setting(
         "cpu",
         "vLLM: device the engine runs on (cpu, cuda, xpu, ...); the installed vLLM build must be that device's "

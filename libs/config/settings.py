@@ -205,6 +205,9 @@ def _check_engine_device(settings: Any) -> None:
         raise SettingsError(f"{flag_name('dtype')}: {settings.dtype!r} is not one of {', '.join(_DTYPES)}")
     if settings.tensor_parallel_size < 1:
         raise SettingsError(f"{flag_name('tensor_parallel_size')}: {settings.tensor_parallel_size} is not >= 1")
+    if settings.max_num_batched_tokens < 0:
+        budget = settings.max_num_batched_tokens
+        raise SettingsError(f"{flag_name('max_num_batched_tokens')}: {budget} is not >= 0 (0: vLLM's default)")
     if not 0 <= settings.nixl_side_channel_port <= 65535:
         port = settings.nixl_side_channel_port
         raise SettingsError(f"{flag_name('nixl_side_channel_port')}: {port} is not a TCP port")

@@ -12,6 +12,10 @@ import pytest
 from libs.launch.stack import Stack, StackSpec
 from libs.runtime.checkpoints import ensure_checkpoint
 
+# vLLM's step budget (--max-num-batched-tokens) of the stacks' prefilling engines: below every
+# multimodal prompt of the tests, so vLLM prefills each in chunks, a lone request too.
+CHUNKED_PREFILL_TOKENS = 32
+
 
 @pytest.fixture(scope="session")
 def omni_tiny() -> Path:
@@ -32,8 +36,12 @@ def vllm_epd_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) ->
         # --lease-ttl-s: the drain test's embeddings wait for a stopped engine (frozen_engine).
         # --engine-hang-timeout-s: the drain test stops the engine (frozen_engine) on purpose, for
         # as long as a loaded host needs; the watchdog must not take that for a hang.
+        # --max-num-batched-tokens: a lone multimodal prompt is chunked too (CHUNKED_PREFILL_TOKENS).
         extra_args={
-            "pd": ["--grace-s", "120", "--prefill-chunk-tokens", "16", "--engine-hang-timeout-s", "600"],
+            "pd": [
+                *("--grace-s", "120", "--prefill-chunk-tokens", "16", "--engine-hang-timeout-s", "600"),
+                *("--max-num-batched-tokens", str(CHUNKED_PREFILL_TOKENS)),
+            ],
             "encoder-0": ["--lease-ttl-s", "300"],
         },
         ready_timeout_s=420.0,
@@ -45,7 +53,8 @@ def vllm_epd_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.fixture(scope="module")
 def vllm_split_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """E/P/D: a reference encoder, prefill and decode each on vLLM (KV moved by vLLM's NixlConnector
-    through the project's subclass), behind the router; each its own process."""
+    through the project's subclass), behind the router; each its own process. Prefill's step budget
+    is 32 tokens (`CHUNKED_PREFILL_TOKENS`): every multimodal prompt is prefilled in chunks."""
     spec = StackSpec(
         layout="e/p/d",
         encoders=1,
@@ -53,6 +62,7 @@ def vllm_split_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) 
         run_dir=tmp_path_factory.mktemp("vllm-e-p-d"),
         engine="vllm",
         ready_timeout_s=600.0,
+        extra_args={"prefill": ["--max-num-batched-tokens", str(CHUNKED_PREFILL_TOKENS)]},
     )
     with Stack(spec).running() as stack:
         yield stack

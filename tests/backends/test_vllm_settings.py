@@ -23,7 +23,7 @@ GPU = [
     *("--device", "cuda", "--dtype", "bfloat16", "--no-enforce-eager", "--gpu-memory-utilization", "0.85"),
     *("--tensor-parallel-size", "2", "--host", "10.1.2.3", "--nixl-side-channel-port", "5600"),
     *("--ucx-net-devices", "mlx5_0:1,eth0", "--ucx-tls", "rc,cuda_copy,tcp", "--pool-mib", "1024"),
-    "--no-checksum",
+    "--no-checksum", "--max-num-batched-tokens", "8192",
 ]
 
 
@@ -41,6 +41,7 @@ def test_the_defaults_are_todays_cpu_values() -> None:
     assert (args["dtype"], args["enforce_eager"], args["tensor_parallel_size"]) == ("float32", True, 1)
     assert args["kv_cache_memory_bytes"] == 64 << 20 and "gpu_memory_utilization" not in args
     assert args["long_prefill_token_threshold"] == 64
+    assert "max_num_batched_tokens" not in args  # vLLM's own budget
     assert args["kv_transfer_config"]["kv_buffer_device"] == "cpu"
     assert args["ec_transfer_config"]["ec_connector_extra_config"] == {
         "failure_dir": str(FAILURES),
@@ -66,6 +67,7 @@ def test_gpu_settings_reach_the_engine_arguments_and_environment() -> None:
     # A memory fraction replaces the explicit KV bytes: vLLM sizes the cache itself.
     assert args["gpu_memory_utilization"] == 0.85 and "kv_cache_memory_bytes" not in args
     assert args["kv_transfer_config"]["kv_buffer_device"] == "cuda"
+    assert args["max_num_batched_tokens"] == 8192
     extra = args["ec_transfer_config"]["ec_connector_extra_config"]
     assert (extra["pool_mib"], extra["ucx_net_devices"], extra["ucx_tls"], extra["checksum"]) == (
         1024,
@@ -120,6 +122,7 @@ def test_the_workers_nixl_agent_follows_the_services_transport_settings() -> Non
         (["--dtype", "float64"], "--dtype: 'float64' is not one of"),
         (["--device", " "], "--device: empty"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size: 0 is not >= 1"),
+        (["--max-num-batched-tokens", "-1"], "--max-num-batched-tokens: -1 is not >= 0"),
         (["--nixl-side-channel-port", "70000"], "--nixl-side-channel-port: 70000 is not a TCP port"),
         (["--host", "0.0.0.0"], "--engine-host-ip: needed with --host '0.0.0.0'"),
     ],

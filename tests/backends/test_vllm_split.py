@@ -53,6 +53,7 @@ from tests.support.vllm_stack import (
     release,
     request,
     run,
+    sampled_tokens,
     stats,
 )
 
@@ -165,6 +166,24 @@ def test_contract_1_6_sampling_equals_the_reference_runtime(
         assert theirs.chosen.logprob == pytest.approx(ours.chosen.logprob, abs=1e-3)
         assert [t.token_id for t in theirs.top] == [t.token_id for t in ours.top]
         assert [t.logprob for t in theirs.top] == pytest.approx([t.logprob for t in ours.top], abs=1e-3)
+
+
+@pytest.mark.parametrize("mix", ["image", "video"])
+def test_sampled_prompts_prefilled_in_chunks_hand_decode_the_token_it_draws(
+    vllm_split_stack: Stack, expected: dict[str, list[int]], mix: str
+) -> None:
+    """Prefill's step budget is below every multimodal prompt (the stack's --max-num-batched-tokens):
+    vLLM drops a token per chunk, and its rewind of the request's generator killed a CPU engine
+    (libs/backends/vllm/seeded_sampling.py). Decode samples the first token again from the same
+    seed, unchunked, and refuses a handoff whose token differs (DataLoss): prefill's chunked draw
+    must be the unchunked one. Sampled without a seed (what `vllm bench serve` sends), the split
+    seeds each request from its id."""
+    address = vllm_split_stack.address
+    first, again, other = (sampled_tokens(address, MIXES[mix], seed) for seed in (7, 7, 8))
+    assert first == again
+    assert other != first and first != expected[mix]
+    assert sampled_tokens(address, MIXES[mix], None) != sampled_tokens(address, MIXES[mix], None)
+    _wait_empty(vllm_split_stack)
 
 
 def test_prefill_and_decode_advertise_vllm_and_paged_kv(vllm_split_stack: Stack) -> None:

@@ -107,6 +107,18 @@ def call(address: str, req: object, timeout_s: float = 120.0) -> GenerationResul
     return asyncio.run(run())
 
 
+def sampled_tokens(address: str, mix: Mix, seed: int | None) -> list[int]:
+    """`mix` sampled at temperature 1 (with `seed`, or none: a P/D split seeds it from the request
+    id), its tokens."""
+    req: Any = request(mix)
+    req.sampling.temperature = 1.0
+    if seed is not None:
+        req.sampling.seed = seed
+    result = call(address, req)
+    assert len(result.token_ids) == TOKENS
+    return list(result.token_ids)
+
+
 def run(coro_fn: Callable[..., Any], *args: Any) -> Any:
     return asyncio.run(coro_fn(*args))
 

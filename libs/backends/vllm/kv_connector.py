@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
+from libs.backends.vllm import seeded_sampling
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -53,6 +55,7 @@ class EpdNixlConnector(NixlPullConnector):
         if role != KVConnectorRole.WORKER:
             super().__init__(vllm_config, role, kv_cache_config)
             return
+        seeded_sampling.install()
         cpus = os.sched_getaffinity(0)
         with _progress_thread_wakeup(extra["epd_progress_wakeup_s"]):
             super().__init__(vllm_config, role, kv_cache_config)

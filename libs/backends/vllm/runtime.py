@@ -143,6 +143,8 @@ def engine_args(
         # land in prometheus_client's registry, which the service's /metrics serves (docs/tracing.md).
         disable_log_stats=False,
     )
+    if settings.max_num_batched_tokens > 0:
+        args["max_num_batched_tokens"] = settings.max_num_batched_tokens
     if settings.gpu_memory_utilization > 0:
         args["gpu_memory_utilization"] = settings.gpu_memory_utilization  # vLLM sizes the KV cache
     else:
