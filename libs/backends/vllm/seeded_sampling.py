@@ -41,7 +41,6 @@ def install() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original = GPUModelRunner.sample_tokens
-    return  # TEMP: fix off
     if getattr(original, _MARK, False):
         return
 
