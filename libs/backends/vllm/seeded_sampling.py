@@ -54,4 +54,4 @@ def install() -> None:
             self.input_batch.generators.update(held)
 
     setattr(sample_tokens, _MARK, True)
-    GPUModelRunner.sample_tokens = sample_tokens  # type: ignore[method-assign]
+    GPUModelRunner.sample_tokens = sample_tokens  # type: ignore[method-assign,assignment]
