@@ -87,6 +87,25 @@ class _Item:
     uuid: str
 
 
+def advertised_specs(adapter: Any, dtype: torch.dtype) -> list[eng.EmbeddingSpec]:
+    """What vLLM's tower gives per modality (the LM's hidden width; Qwen3-VL's deepstack features
+    too), in the engine's dtype: the embedding contract the router checks against the LM service's
+    at first contact (`check_embedding_specs`), so any encoder x LM engine pair whose width, dtype
+    and extras match is allowed and any other refused (FAILED_PRECONDITION)."""
+    width = adapter.hidden_size
+    name = str(dtype).removeprefix("torch.")
+    return [
+        eng.EmbeddingSpec(
+            modality,
+            width,
+            name,
+            tuple(eng.ExtraTensorSpec(n, width, name) for n in adapter.embedding_extra_names(modality)),
+        )
+        for modality in sorted(adapter.modalities, key=lambda m: m.value)
+        if modality in _PROMPTS
+    ]
+
+
 class VllmEncoder(EncoderBackend):
     """`EncoderBackend` on vLLM's AsyncLLM (encoder-only)."""
 
@@ -104,7 +123,7 @@ class VllmEncoder(EncoderBackend):
         self.max_running = settings.max_running
         self.in_flight = InFlight()
         self._failure_dir = failure_dir
-        self._dtype = getattr(torch, settings.dtype, torch.float32) if settings.dtype != "auto" else torch.float32
+        self._dtype = torch.float32  # the engine's, once it started (`--dtype auto` resolves there)
         self._active = 0
         self.supervisor = EngineSupervisor(
             lambda: runtime.build_engine(settings, failure_dir=failure_dir, ec_consumer=False, ec_producer=True),
@@ -113,19 +132,7 @@ class VllmEncoder(EncoderBackend):
         )
 
     def embedding_specs(self) -> list[eng.EmbeddingSpec]:
-        """What the tower gives per modality (the LM's hidden width; Qwen3-VL's deepstack too), in
-        the engine's dtype: the contract a PD or prefill service checks at first contact."""
-        width = self.adapter.hidden_size
-        dtype = str(self._dtype).removeprefix("torch.")
-        return [
-            eng.EmbeddingSpec(
-                modality,
-                width,
-                dtype,
-                tuple(eng.ExtraTensorSpec(n, width, dtype) for n in self.adapter.embedding_extra_names(modality)),
-            )
-            for modality in sorted(self.adapter.modalities, key=lambda m: m.value)
-        ]
+        return advertised_specs(self.adapter, self._dtype)
 
     def capabilities(self) -> tuple[str, ...]:
         return (capability(self.name),)
@@ -329,5 +336,6 @@ async def start(settings: EncoderBackendSettings) -> VllmEncoder:
     started = time.monotonic()
     await asyncio.to_thread(runtime.import_vllm, settings)
     await start_or_exit(backend.supervisor, backend.close)
+    backend._dtype = getattr(torch, runtime.engine_dtype(backend.supervisor.current()))
     _log.info("vLLM encoder started", seconds=round(time.monotonic() - started, 1))
     return backend
