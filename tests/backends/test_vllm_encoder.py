@@ -72,7 +72,9 @@ def _encoder(stack: Stack) -> str:
     return stack.processes["encoder-0"].address
 
 
-async def _encode_inline(address: str, modality: int, data: bytes) -> encoder_pb2.EncodeResponse:
+async def _encode_inline(
+    address: str, modality: media_pb2.Modality.ValueType, data: bytes
+) -> encoder_pb2.EncodeResponse:
     async with open_channel(address) as channel:
         reply: encoder_pb2.EncodeResponse = await encoder_pb2_grpc.EncoderServiceStub(channel).Encode(
             encoder_pb2.EncodeRequest(
