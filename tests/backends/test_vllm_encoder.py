@@ -41,7 +41,8 @@ FAMILY = "qwen2_5_vl"
 MIXES = {mix.name: mix for mix in mixes(FAMILY)}
 IMAGE = synthetic.png_bytes(112, 84, seed=1)
 # vLLM's tower and the reference tower compute in float32 from the same weights and the same
-# pixels (the test image needs no resize, so both preprocessors give the same patches); they differ
+# pixels (the vLLM encoder hands vLLM the project's resized pixels; vLLM only rescales and
+# normalizes them, as the project does); they differ
 # only in kernels (vLLM's SDPA attention, fused ops), i.e. float32 rounding: measured 2e-6 max abs
 # difference on values of order 1. 1e-4 leaves room for other CPUs' kernels, and is far below a
 # real difference (another image, another layout: order 1).
@@ -73,13 +74,16 @@ def _encoder(stack: Stack) -> str:
 
 
 async def _encode_inline(
-    address: str, modality: media_pb2.Modality.ValueType, data: bytes
+    address: str, modality: media_pb2.Modality.ValueType, data: bytes, max_pixels: int | None = None
 ) -> encoder_pb2.EncodeResponse:
+    media = media_pb2.MediaItem(modality=modality, data=data)
+    if max_pixels is not None:
+        media.processor_options.max_pixels = max_pixels
     async with open_channel(address) as channel:
         reply: encoder_pb2.EncodeResponse = await encoder_pb2_grpc.EncoderServiceStub(channel).Encode(
             encoder_pb2.EncodeRequest(
                 request_id=f"direct-{time.monotonic_ns()}",
-                items=[encoder_pb2.EncodeItem(item_index=0, media=media_pb2.MediaItem(modality=modality, data=data))],
+                items=[encoder_pb2.EncodeItem(item_index=0, media=media)],
                 accepted_transports=[tensor_pb2.TRANSPORT_KIND_INLINE],
             ),
             timeout=60,
@@ -121,12 +125,23 @@ def test_tokens_equal_the_reference_runtime(stack: Stack, expected: dict[str, li
     _wait_empty(stack)
 
 
-def test_embeddings_equal_the_reference_encoder(stack: Stack, model: Path) -> None:
-    reply = run(_encode_inline, _encoder(stack), media_pb2.MODALITY_IMAGE, IMAGE)
+@pytest.mark.parametrize(
+    ("image", "max_pixels"),
+    [
+        (IMAGE, None),  # already on the patch grid: no resize
+        (synthetic.png_bytes(150, 97, seed=5), 2 * 56 * 56),  # resized under the request's pixel bound
+    ],
+    ids=["as-is", "resized-max-pixels"],
+)
+def test_embeddings_equal_the_reference_encoder(
+    stack: Stack, model: Path, image: bytes, max_pixels: int | None
+) -> None:
+    reply = run(_encode_inline, _encoder(stack), media_pb2.MODALITY_IMAGE, image, max_pixels)
     (item,) = reply.items
     (tensor,) = item.embeddings.tensors
     got = torch.frombuffer(bytearray(tensor.inline_data), dtype=torch.float32).view(*tensor.spec.shape)
-    (ref,) = EncoderRunner(model).encode([eng.MediaInput(eng.Modality.IMAGE, IMAGE, item_index=0)])
+    options = eng.ProcessorOptions(max_pixels=max_pixels)
+    (ref,) = EncoderRunner(model).encode([eng.MediaInput(eng.Modality.IMAGE, image, item_index=0, options=options)])
     assert item.layout == convert.item_layout_to_wire(ref.layout)  # the same layout metadata, field for field
     assert got.shape == ref.embeddings.shape
     assert torch.allclose(got, ref.embeddings, atol=ATOL, rtol=0), (got - ref.embeddings).abs().max().item()

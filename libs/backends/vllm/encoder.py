@@ -9,8 +9,9 @@ Per `Encode` call, for each item (all items at once: vLLM batches them):
    layout metadata; vLLM's output must match it row for row);
 2. reserve its slot in the shared pool (rows x width x dtype known from the layout) and clear the
    slot's stamp area;
-3. submit a one-item, encoder-only request to vLLM (the raw media, one placeholder, a uuid unique
-   per request, the slot in `ec_transfer_params`) and wait for vLLM to finish it;
+3. submit a one-item, encoder-only request to vLLM (the item's pixels resized by the project, so
+   the request's processor options hold and vLLM's grid is the layout's; one placeholder; a uuid
+   unique per request; the slot in `ec_transfer_params`) and wait for vLLM to finish it;
 4. check the worker's `written` mark (or its failure report: FAILED_PRECONDITION naming the item
    when vLLM's rows or width differ from the layout), then publish the slot (lease, stamp,
    checksums) - or, for an INLINE-only caller, copy the bytes into the handle and free it.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import io
 import shutil
 import tempfile
 import time
@@ -82,7 +82,7 @@ def _internal(message: str) -> EpdError:
 @dataclasses.dataclass
 class _Item:
     layout: eng.ItemLayout
-    media: Any  # what vLLM's processor takes: a PIL image, or [T, H, W, 3] uint8 frames
+    media: Any  # what vLLM's processor takes: [H, W, 3] uint8, or ([T, H, W, 3] uint8 frames, metadata)
     reservation: Reservation
     uuid: str
 
@@ -217,11 +217,12 @@ class VllmEncoder(EncoderBackend):
                     f"the vLLM encoder has no {media.modality.value} encoder for this model", field="media.modality"
                 )
             layout = self.adapter.preprocess(media, media_hash(media), self.media_limits).layout
-            if media.modality is eng.Modality.IMAGE:
-                from PIL import Image
-
-                return layout, Image.open(io.BytesIO(media.data)).convert("RGB")
             vision: Any = getattr(self.adapter, "vision")  # noqa: B009 - the Qwen adapters' vision settings
+            if media.modality is eng.Modality.IMAGE:
+                # Resized as the project does (the request's pixel bounds included): vLLM's processor
+                # takes it as it is (`do_resize=False`), so its grid is the layout's.
+                resized = vision.resized_image(media.data, media.options, self.media_limits)
+                return layout, resized[0].permute(1, 2, 0).contiguous().numpy()  # [H, W, 3] uint8
             clip = vision.video(media.data, media.options, self.media_limits)
             decoded = clip.decoded
             frames = decoded.frames.permute(0, 2, 3, 1).contiguous().numpy()  # [T, H, W, 3] uint8
@@ -268,10 +269,10 @@ class VllmEncoder(EncoderBackend):
             "multi_modal_data": {kind: item.media},
             "multi_modal_uuids": {kind: [item.uuid]},
         }
-        if item.layout.modality is eng.Modality.VIDEO:
-            # The frames are the project's, already resized to the patch grid: vLLM's video processor
-            # would size them again with its own pixel bounds (a different grid).
-            prompt["mm_processor_kwargs"] = {"do_resize": False}
+        # The pixels are the project's, already resized to the patch grid: vLLM's processor would
+        # size them again with its own pixel bounds (a different grid for a video, and for any item
+        # with the request's processor options).
+        prompt["mm_processor_kwargs"] = {"do_resize": False}
         engine = self.supervisor.engine()
         stream = engine.llm.generate(prompt, params, f"{request_id}-{position}-{item.uuid[-8:]}")
         try:
