@@ -30,6 +30,7 @@ import shutil
 import tempfile
 import time
 import uuid as uuids
+from collections.abc import Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,19 @@ def advertised_specs(adapter: Any, dtype: torch.dtype) -> list[eng.EmbeddingSpec
     ]
 
 
+async def _all_or_none(calls: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run `calls` concurrently; the first failure cancels the others (vLLM aborts their requests)
+    and is raised once they ended."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class VllmEncoder(EncoderBackend):
     """`EncoderBackend` on vLLM's AsyncLLM (encoder-only)."""
 
@@ -172,16 +186,15 @@ class VllmEncoder(EncoderBackend):
         prepared = await asyncio.gather(*(asyncio.to_thread(self._prepare, m, i) for i, m in enumerate(media)))
         items: list[_Item] = []
         published: list[tensor_pb2.TensorHandle] = []
-        clean = False  # every submitted request finished: no late write can land in a slot
+        clean = True  # no vLLM request of this call may still write a slot (none submitted, or all finished)
         try:
             for i, (layout, vllm_media) in enumerate(prepared):
                 items.append(self._reserve(producer, request.request_id, i, layout, vllm_media))
             self._active += 1
+            clean = False
             try:
                 with stage("encoder.compute", "encode", **{"epd.engine": "vllm"}):
-                    await asyncio.gather(
-                        *(self._run(request.request_id, i, item, deadline) for i, item in enumerate(items))
-                    )
+                    await _all_or_none(self._run(request.request_id, i, item, deadline) for i, item in enumerate(items))
             finally:
                 self._active -= 1
             clean = True
