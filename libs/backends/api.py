@@ -1,7 +1,7 @@
 """What a model service sees of its engine, whichever it is: one backend protocol per role.
 
-A service picks its backend with `--engine reference|vllm` (`EPD_ENGINE`; the encoder and the
-colocated service run the reference runtime only) through `libs.backends.registry`, and
+A service picks its backend with `--engine reference|vllm` (`EPD_ENGINE`; the colocated service
+runs the reference runtime only) through `libs.backends.registry`, and
 advertises what the backend reports in `ServiceInfo` (`capabilities()`, `embedding_specs()`,
 `extend_info()`; vLLM as `engine.vllm`, so a peer checks at first contact that it can hand over
 to it: embeddings are engine-neutral, a KV cache is not).

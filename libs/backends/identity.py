@@ -26,6 +26,30 @@ REFUSED: dict[tuple[str, str], str] = {
 }
 
 
+# Checkpoint families whose towers vLLM runs encoder-only here (the encoder on `--engine vllm`),
+# and those it cannot, with why: refused at the encoder's start-up and by `epd up`'s checks.
+VLLM_ENCODER_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+VLLM_ENCODER_REFUSED = {
+    "qwen2_5_omni": "vLLM 0.32's CPU worker crashes running the tiny Qwen2.5-Omni towers (/work/shared/vllm.md); "
+    "run its encoders on the reference engine",
+}
+
+
+def encoder_refusal(model: Path) -> str | None:
+    """Why the encoder must not run `model` on vLLM (a family vLLM's tower cannot serve here), or
+    None; a checkpoint that cannot be read here (a pod's path) is left to the service."""
+    family = model_type(model)
+    if not family:
+        return None
+    if (why := refusal("vllm", family)) is not None:
+        return why
+    if family in VLLM_ENCODER_REFUSED:
+        return f"a vLLM encoder for a {family} checkpoint is refused: {VLLM_ENCODER_REFUSED[family]}"
+    if family not in VLLM_ENCODER_FAMILIES:
+        return f"a vLLM encoder runs {', '.join(VLLM_ENCODER_FAMILIES)} checkpoints, not {family}"
+    return None
+
+
 def model_type(model: Path) -> str:
     """config.json's model_type of a checkpoint directory; empty when it cannot be read (a path
     that exists only where the service runs, e.g. in a pod)."""

@@ -8,11 +8,11 @@ import importlib
 from typing import Any
 
 ROLES = ("encoder", "prefill", "decode", "pd", "colocated")
-# The roles each engine implements. vLLM has no encoder backend yet (the encoders stay the
-# project's: their embeddings reach vLLM through its EC connector) and no colocated one.
+# The roles each engine implements. vLLM has no colocated backend (its encoder runs
+# encoder-only and writes into the service's pool: libs/backends/vllm/encoder.py).
 AVAILABLE: dict[str, tuple[str, ...]] = {
     "reference": ROLES,
-    "vllm": ("prefill", "decode", "pd"),
+    "vllm": ("encoder", "prefill", "decode", "pd"),
 }
 
 

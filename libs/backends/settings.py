@@ -71,8 +71,9 @@ class ChunkedEngineSettings(ChunkedPrefillSettings, EngineSettings):
 
 
 @dataclasses.dataclass(frozen=True)
-class EncoderBackendSettings(ModelServiceSettings):
-    """The encoder's backend (the reference runtime only): its output cache."""
+class EncoderBackendSettings(EngineSettings):
+    """The encoder's backend: the reference runtime (its output cache) or vLLM encoder-only (the
+    vLLM settings above; the cache settings are the reference's)."""
 
     cache_mib: int = setting(256, "in-process encoder-output cache (LRU), in MiB; 0 disables caching")
     cache_master: str = setting("", "Mooncake Store master (HOST:PORT) shared by encoders; empty: local cache only")

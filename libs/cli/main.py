@@ -18,7 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-from libs.backends.identity import model_type, refusal
+from libs.backends.identity import encoder_refusal, model_type, refusal
 from libs.cli.router_client import ADDRESS_FILE, DEFAULT_RUN_DIR, UsageError, router_target, stream_to_stdout
 from libs.client.generate import build_request, media_from_file
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
@@ -60,6 +60,13 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
         help="engine of the PD service (e+pd) or of prefill and decode (e/p/d): the reference runtime, or vLLM "
         "(~1 min and ~1.5 GB more per service)",
     )
+    parser.add_argument(
+        "--encoder-engine",
+        choices=("reference", "vllm"),
+        default=None,
+        help="engine of the encoders: the reference runtime, or vLLM encoder-only (Qwen2.5-VL, Qwen3-VL; any LM "
+        "engine whose embedding contract matches)",
+    )
     parser.add_argument("--model", type=Path, default=None, help=f"checkpoint directory (default {DEFAULT_MODEL})")
     parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="service logs go here")
     parser.add_argument(
@@ -92,7 +99,7 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
 
 
 # Flags a stack description sets; given beside --config they would contradict the file.
-_DESCRIBED = ("layout", "encoders", "engine", "model", "cache_store", "cache_store_mib", "tls")
+_DESCRIBED = ("layout", "encoders", "engine", "encoder_engine", "model", "cache_store", "cache_store_mib", "tls")
 
 
 def _described_spec(ns: argparse.Namespace, env: dict[str, str]) -> StackSpec:
@@ -109,7 +116,7 @@ def _described_spec(ns: argparse.Namespace, env: dict[str, str]) -> StackSpec:
     return dataclasses.replace(
         spec,
         model=ensure_model(spec.model),
-        ready_timeout_s=420.0 if spec.engine == "vllm" else 120.0,
+        ready_timeout_s=420.0 if "vllm" in (spec.engine, spec.encoder_engine) else 120.0,
         openai_door=spec.openai_door and ns.openai_door,
     )
 
@@ -127,8 +134,13 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
     engine = ns.engine or "reference"
     if engine == "vllm" and layout == "colocated":
         raise SystemExit("epd: --engine vllm serves the e+pd or e/p/d layout, not colocated")
+    encoder_engine = ns.encoder_engine or "reference"
+    if encoder_engine == "vllm" and layout == "colocated":
+        raise SystemExit("epd: --encoder-engine vllm runs in the e+pd or e/p/d layout, not colocated")
     model = ensure_model(ns.model or DEFAULT_MODEL)
     if (why := refusal(engine, model_type(model))) is not None:
+        raise SystemExit(f"epd: {why}")
+    if encoder_engine == "vllm" and (why := encoder_refusal(model)) is not None:
         raise SystemExit(f"epd: {why}")
     return StackSpec(
         layout=layout,
@@ -140,7 +152,8 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
         cache_store_mib=256 if ns.cache_store_mib is None else ns.cache_store_mib,
         tls=bool(ns.tls),
         engine=engine,
-        ready_timeout_s=420.0 if engine == "vllm" else 120.0,
+        encoder_engine=encoder_engine,
+        ready_timeout_s=420.0 if "vllm" in (engine, encoder_engine) else 120.0,
         openai_door=ns.openai_door,
     )
 

@@ -21,7 +21,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from libs.backends.identity import model_type, refusal
+from libs.backends.identity import encoder_refusal, model_type, refusal
 from libs.launch.process import ROOT
 from libs.launch.stack import StackSpec, replica_names
 
@@ -181,6 +181,11 @@ def _semantic_problems(doc: Mapping[str, Any]) -> list[str]:
     path = doc.get("model", {}).get("path")
     if path and (why := refusal(str(doc.get("engine", "reference")), model_type(Path(path)))) is not None:
         problems.append(f"engine: {why} (model.path {path})")
+    if doc.get("encoder_engine") == "vllm":
+        if layout == "colocated":
+            problems.append("encoder_engine: a vLLM encoder runs in e+pd or e/p/d; layout is colocated")
+        elif path and (why := encoder_refusal(Path(path))) is not None:
+            problems.append(f"encoder_engine: {why} (model.path {path})")
     for name, role in roles.items():
         scale = role.get("autoscale")
         if scale is None:
@@ -273,6 +278,8 @@ def role_settings(desc: StackDescription, role: str) -> dict[str, Value]:
         }
     if role == "encoder":
         values["cache_mib"] = desc["cache"]["local_mib"]
+        if desc["encoder_engine"] != "reference":  # the default: older images' encoders lack --engine
+            values["engine"] = desc["encoder_engine"]
     if role in ("pd", "prefill", "decode"):
         values["engine"] = desc["engine"]
     if role == "router":
@@ -340,6 +347,7 @@ def stack_spec(desc: StackDescription, *, run_dir: Path, env: Mapping[str, str] 
         cache_store_mib=desc["cache"]["store"]["memory_mib"],
         tls=desc.tls,
         engine=desc["engine"],
+        encoder_engine=desc["encoder_engine"],
         env=dict(env or {}),
         extra_args=extra_args,
         openai_door=DOOR in desc.roles,

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from libs.backends.identity import model_type, refusal
+from libs.backends.identity import encoder_refusal, model_type, refusal
 from libs.launch.process import LaunchError, ServiceProcess, free_port
 from libs.launch.store import StoreProcesses, start_store
 from libs.rpc.certs import LocalCa, write_material
@@ -62,6 +62,10 @@ class StackSpec:
     # Engine of the language-model services (pd, or prefill and decode): "reference" (the
     # project's runtime) or "vllm" (30-50 s and ~1.5 GB more per service).
     engine: str = "reference"
+    # Engine of the encoders: "reference" or "vllm" (encoder-only, writing into the encoder's pool;
+    # Qwen2.5-VL and Qwen3-VL). Any pair whose embedding contract matches is allowed; the LM
+    # services check it at first contact.
+    encoder_engine: str = "reference"
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service (EPD_*)
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service name
     # Per service name, a module (and its arguments) the service is run through, as
@@ -93,6 +97,12 @@ class Stack:
             raise ValueError("prefills, decodes and pds must be at least 1")
         if spec.engine not in ("reference", "vllm"):
             raise ValueError(f"unknown engine {spec.engine!r}; expected reference or vllm")
+        if spec.encoder_engine not in ("reference", "vllm"):
+            raise ValueError(f"unknown encoder engine {spec.encoder_engine!r}; expected reference or vllm")
+        if spec.encoder_engine == "vllm" and spec.layout == "colocated":
+            raise ValueError("a vLLM encoder runs in a disaggregated layout (e+pd, e/p/d), not colocated")
+        if spec.encoder_engine == "vllm" and (why := encoder_refusal(spec.model)) is not None:
+            raise ValueError(why)
         if spec.engine == "vllm" and spec.layout == "colocated":
             raise ValueError("the vLLM engine serves PD (E+PD) or prefill and decode (E/P/D), not the colocated layout")
         if (why := refusal(spec.engine, model_type(spec.model))) is not None:
@@ -181,6 +191,8 @@ class Stack:
                 self._start_door(spec.ready_timeout_s)
                 return self.address
             encoder_args = self._model_args()
+            if spec.encoder_engine != "reference":  # older checkouts' encoders have no --engine flag
+                encoder_args += ["--engine", spec.encoder_engine]
             if spec.cache_store:
                 self.store = start_store(spec.run_dir / "store", segment_size=spec.cache_store_mib << 20)
                 encoder_args += ["--cache-master", self.store.master_address]

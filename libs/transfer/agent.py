@@ -82,7 +82,9 @@ class TransferAgent:
         self.config = config or TransferConfig()
         self.instance_id = uuid.uuid4().hex
         self.name = f"{self.config.agent_name_prefix}-{os.getpid()}-{self.instance_id[:8]}"
-        self.pool = MemoryPool(self.config.pool_bytes, huge_pages=self.config.huge_pages)
+        self.pool = MemoryPool(
+            self.config.pool_bytes, huge_pages=self.config.huge_pages, shared=self.config.shared_pool
+        )
         try:
             self._nixl = _create_nixl_agent(
                 self.name, self.config.ucx_environment(), self.config.progress_thread_wakeup_s

@@ -22,6 +22,8 @@ class TransferConfig:
     pool_bytes: int = 256 * MiB
     # Back the pool with transparent huge pages: UCX's cross-memory-attach reads run ~2x faster.
     huge_pages: bool = True
+    # Back the pool with a memfd another process maps to write tensors in place (pool.py).
+    shared_pool: bool = False
     # How long a producer keeps an un-acked lease before reclaiming its slots, in seconds.
     lease_ttl_s: float = 30.0
     # Default deadline of one consumer READ (all tensors of the handles fetched together), seconds.

@@ -1,4 +1,4 @@
-"""A process's pool of tensor memory: one anonymous mmap region and an allocator of slots in it.
+"""A process's pool of tensor memory: one mmap region and an allocator of slots in it.
 
 The region is mapped and committed once, at start-up, and `TransferAgent` registers it with NIXL
 once; every tensor a process produces or receives lives in a slot of it, so no transfer ever needs
@@ -8,6 +8,12 @@ Why a private anonymous mapping and not a shared-memory file: UCX reads peers' m
 cross-memory attach (process_vm_readv), which needs no shared mapping, and private anonymous memory
 can be backed by transparent huge pages (shmem THP is off on typical hosts); huge pages double the
 READ throughput measured here.
+
+Shared pools (`shared=True`): the region is a memfd mapped MAP_SHARED instead, so another process
+of the same user can map the very same pages (`share_path`, `/proc/<pid>/fd/<n>`: gone with this
+process, nothing to clean up after a crash) and write tensors into slots this process allocated
+(vLLM's encoder worker: libs/backends/vllm/ec_producer.py). Shmem gets no transparent huge pages
+on typical hosts, so only the pools that need a second writer are shared.
 
 Slot lifecycle: `allocate` -> in use -> `free` (back to the pool), or -> `quarantine` (a READ into
 it may still be landing) -> `release_quarantined`. A slot is never handed out twice; allocation
@@ -21,6 +27,7 @@ import contextlib
 import ctypes
 import dataclasses
 import mmap
+import os
 import threading
 
 from libs.transfer.errors import PoolExhausted
@@ -67,12 +74,18 @@ class PoolStats:
 class MemoryPool:
     """First-fit allocator with coalescing over one committed mmap region."""
 
-    def __init__(self, nbytes: int, *, huge_pages: bool = True) -> None:
+    def __init__(self, nbytes: int, *, huge_pages: bool = True, shared: bool = False) -> None:
         if nbytes <= 0:
             raise ValueError(f"pool size must be > 0, got {nbytes}")
         self.capacity = align_up(nbytes, _PAGE)
-        self._map = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if huge_pages:
+        self._fd: int | None = None
+        if shared:
+            self._fd = os.memfd_create("epd-pool", os.MFD_CLOEXEC)
+            os.ftruncate(self._fd, self.capacity)
+            self._map = mmap.mmap(self._fd, self.capacity, flags=mmap.MAP_SHARED)
+        else:
+            self._map = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge_pages and not shared:
             with contextlib.suppress(OSError):  # THP unavailable: slower reads, same behaviour
                 self._map.madvise(mmap.MADV_HUGEPAGE)
         _commit(self._map, self.capacity)
@@ -84,6 +97,11 @@ class MemoryPool:
         self._in_use: dict[int, Slot] = {}
         self._quarantined: dict[int, Slot] = {}
         self._closed = False
+
+    @property
+    def share_path(self) -> str | None:
+        """Where another process of this user opens the region (shared pools; None otherwise)."""
+        return None if self._fd is None else f"/proc/{os.getpid()}/fd/{self._fd}"
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -157,6 +175,9 @@ class MemoryPool:
         # Exported views (tensors) keep the mapping alive; the GC unmaps it with the last one.
         with contextlib.suppress(BufferError):
             self._map.close()
+        if self._fd is not None:  # the mapping (ours, a peer's) keeps the memory until unmapped
+            os.close(self._fd)
+            self._fd = None
 
     def _give_back(self, slot: Slot, poison: bool) -> None:
         # Caller holds the lock.

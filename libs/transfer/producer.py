@@ -55,6 +55,15 @@ class Reservation:
             for (name, spec), offset in zip(specs.items(), offsets, strict=True)
         }
 
+    @property
+    def slot(self) -> Slot:
+        return self._slot
+
+    def placement(self) -> list[tuple[str, int]]:
+        """(name, byte offset in the pool) of each tensor, in order: where another writer of a
+        shared pool puts them (libs/backends/vllm/ec_producer.py)."""
+        return [(name, self._slot.offset + offset) for name, offset in zip(self._specs, self._offsets, strict=True)]
+
     def publish(self, *, ttl_s: float | None = None) -> tensor_pb2.TensorHandle:
         """Start the lease and return the handle. The tensors must not be written afterwards."""
         if self._done:
@@ -62,6 +71,13 @@ class Reservation:
         handle = self._producer._publish(self._slot, self._specs, self._offsets, ttl_s)
         self._done = True
         return handle
+
+    def detach(self) -> None:
+        """Give up the reservation without freeing its slot (the caller quarantines it);
+        RuntimeError when it was already published or aborted."""
+        if self._done:
+            raise RuntimeError("reservation already published or aborted")
+        self._done = True
 
     def abort(self) -> None:
         if not self._done:

@@ -1,5 +1,5 @@
 """gRPC adapter of the encoder: `EncoderService` (+ leases, stats) over `EncoderCore`, on the
-reference runtime (vLLM has no encoder backend: libs/backends/registry.py)."""
+reference runtime or on vLLM encoder-only (`--engine vllm`: libs/backends/vllm/encoder.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
 
 async def setup(settings: EncoderSettings) -> ServiceParts:
-    backend: EncoderBackend = await registry.start("encoder", "reference", settings)
+    backend: EncoderBackend = await registry.start("encoder", settings.engine, settings)
     admission = Admission("encoder", backend.max_running, settings.max_waiting)
     cached_lane = Admission("encoder.cached", settings.cached_max_running, settings.max_waiting)
     servicer = EncoderServicer(EncoderCore(backend), admission, cached_lane)

@@ -40,11 +40,11 @@ pytestmark = pytest.mark.unit
 def test_the_registry_names_one_module_per_role_and_engine() -> None:
     for role in registry.ROLES:
         assert registry.module_name(role, "reference") == f"libs.backends.reference.{role}"
-    for role in ("prefill", "decode", "pd"):
+    for role in ("encoder", "prefill", "decode", "pd"):
         assert registry.module_name(role, "vllm") == f"libs.backends.vllm.{role}"
 
 
-@pytest.mark.parametrize("role", ["encoder", "colocated"])
+@pytest.mark.parametrize("role", ["colocated"])
 def test_the_registry_refuses_a_role_vllm_does_not_implement(role: str) -> None:
     with pytest.raises(
         ValueError, match=f"the vllm engine has no {role} backend; the {role} service runs on: reference"

@@ -135,6 +135,35 @@ def test_a_vllm_gpu_description_reaches_the_engine_arguments() -> None:
 
 
 @pytest.mark.unit
+def test_a_vllm_encoder_description_reaches_the_encoders_pod() -> None:
+    """encoder_engine: vllm: the encoder's ConfigMap carries EPD_ENGINE=vllm and its engine
+    settings, which the encoder service parses into vLLM's encoder-only arguments; the LM roles
+    keep their own engine."""
+    from libs.backends.vllm import runtime
+
+    base = load_description(STACKS / "e-p-d.yaml").raw
+    roles = {**base["roles"], "encoder": {**base["roles"]["encoder"], "settings": {"dtype": "bfloat16"}}}
+    desc = parse_description(
+        {**base, "encoder_engine": "vllm", "model": {"path": "var/models/qwen2_5_vl-tiny"}, "roles": roles},
+        Path("enc.yaml"),
+    )
+    docs = [d for text in overlay_files(desc, "enc.yaml").values() for d in documents(text)]
+    configs = _by_kind(docs, "ConfigMap")
+    assert configs["epd-encoder"]["data"]["EPD_ENGINE"] == "vllm"
+    assert (
+        "EPD_ENGINE" not in configs["epd-prefill"]["data"]
+        or configs["epd-prefill"]["data"]["EPD_ENGINE"] == "reference"
+    )
+    settings = _settings("encoder", configs["epd-encoder"]["data"])
+    args = runtime.engine_args(settings, failure_dir=Path("/tmp"), ec_consumer=False, ec_producer=True)
+    assert (args["dtype"], args["mm_encoder_only"], args["ec_transfer_config"]["ec_role"]) == (
+        "bfloat16",
+        True,
+        "ec_producer",
+    )
+
+
+@pytest.mark.unit
 def test_an_invalid_manifest_is_refused() -> None:
     """The validator is not a no-op: a Deployment with a string replica count fails."""
     deployment = _by_kind(next(iter(v for k, v in _committed().items() if k.name == "encoder.yaml")), "Deployment")

@@ -33,6 +33,7 @@ from libs.serving.convert import chunk_to_wire
 from libs.serving.settings import ChunkedPrefillSettings
 
 EC_CONNECTOR_MODULE = "libs.backends.vllm.ec_connector"
+EC_PRODUCER_MODULE = "libs.backends.vllm.ec_producer"
 KV_CONNECTOR_MODULE = "libs.backends.vllm.kv_connector"
 
 
@@ -123,7 +124,12 @@ def side_channel_port(settings: EngineSettings) -> int:
 
 
 def engine_args(
-    settings: EngineSettings, *, failure_dir: Path, ec_consumer: bool, kv: KvTransfer | None = None
+    settings: EngineSettings,
+    *,
+    failure_dir: Path,
+    ec_consumer: bool,
+    kv: KvTransfer | None = None,
+    ec_producer: bool = False,
 ) -> dict[str, Any]:
     """vLLM's engine arguments from the service's settings (plain values; the two transfer configs
     as dicts of their fields, made vLLM's config objects by `build_engine`)."""
@@ -168,6 +174,17 @@ def engine_args(
                 "checksum": settings.checksum,
             },
         )
+    if ec_producer:
+        # The encoder (E): the tower only, its outputs written into the service's shared pool by
+        # the project's producer connector. No prefix caching: every item is encoded (and written).
+        args["mm_encoder_only"] = True
+        args["enable_prefix_caching"] = False
+        args["ec_transfer_config"] = dict(
+            ec_connector="EpdECProducer",
+            ec_connector_module_path=EC_PRODUCER_MODULE,
+            ec_role="ec_producer",
+            ec_connector_extra_config={"failure_dir": str(failure_dir)},
+        )
     if kv is not None:
         args["kv_transfer_config"] = dict(
             kv_connector="EpdNixlConnector",
@@ -183,7 +200,12 @@ def engine_args(
 
 
 def build_engine(
-    settings: EngineSettings, *, failure_dir: Path, ec_consumer: bool, kv: KvTransfer | None = None
+    settings: EngineSettings,
+    *,
+    failure_dir: Path,
+    ec_consumer: bool,
+    kv: KvTransfer | None = None,
+    ec_producer: bool = False,
 ) -> Any:
     """A started `AsyncLLM` (blocking: spawns EngineCore and Worker, loads weights)."""
     process_environment()
@@ -193,7 +215,7 @@ def build_engine(
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    args = engine_args(settings, failure_dir=failure_dir, ec_consumer=ec_consumer, kv=kv)
+    args = engine_args(settings, failure_dir=failure_dir, ec_consumer=ec_consumer, kv=kv, ec_producer=ec_producer)
     if "ec_transfer_config" in args:
         args["ec_transfer_config"] = ECTransferConfig(**args["ec_transfer_config"])
     if "kv_transfer_config" in args:

@@ -72,7 +72,9 @@ class QwenVisionPreprocessor:
             raise InvalidRequestError(f"bad pixel bounds [{lo}, {hi}]", field="processor_options.min_pixels")
         return lo, hi
 
-    def image(self, data: bytes, options: ProcessorOptions, limits: MediaLimits) -> tuple[torch.Tensor, ImageLayout]:
+    def resized_image(self, data: bytes, options: ProcessorOptions, limits: MediaLimits) -> torch.Tensor:
+        """The decoded image resized to its patch grid: [1, 3, H, W] uint8 (what another engine's
+        processor is given so that its grid is this one: libs/backends/vllm/encoder.py)."""
         s = self.image_settings
         lo, hi = self._pixel_bounds(options, s.min_pixels, s.max_pixels, limits)
         image = image_to_chw(decode_image(data, limits)).unsqueeze(0)
@@ -80,7 +82,11 @@ class QwenVisionPreprocessor:
             height, width = smart_resize(image.shape[2], image.shape[3], factor=s.factor, min_pixels=lo, max_pixels=hi)
         except ValueError as exc:  # an extreme aspect ratio
             raise InvalidMediaError(f"cannot preprocess image: {exc}", field="media.data") from exc
-        pixels = normalize(resize_bicubic(image, height, width), s.mean, s.std)
+        return resize_bicubic(image, height, width)
+
+    def image(self, data: bytes, options: ProcessorOptions, limits: MediaLimits) -> tuple[torch.Tensor, ImageLayout]:
+        s = self.image_settings
+        pixels = normalize(self.resized_image(data, options, limits), s.mean, s.std)
         flat, grid_t, grid_h, grid_w = patchify(pixels, s.patch_size, s.merge_size, s.temporal_patch_size)
         return flat, ImageLayout(grid_t=grid_t, grid_h=grid_h, grid_w=grid_w)
 

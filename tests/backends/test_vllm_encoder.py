@@ -1,0 +1,167 @@
+"""E+PD with every stage on vLLM: the encoder service runs vLLM encoder-only (`--engine vllm`: its
+worker writes the tower's outputs into the encoder's shared pool, libs/backends/vllm/ec_producer.py)
+and the PD service runs vLLM reading them over NIXL (the project's EC consumer). One stack for the
+module, Qwen2.5-VL tiny (vLLM's own tower runs it; the Omni one crashes vLLM's CPU worker).
+
+Tokens equal the reference runtime's for every mix of the family; the vLLM encoder's embeddings
+equal the reference encoder's within float32 rounding; bad media is INVALID_ARGUMENT and the
+engine keeps serving; every lease is released and the encoder pool ends empty; the encoder
+advertises engine vllm and the reference encoder's embedding specs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from libs.backends.identity import engine_of
+from libs.contract.epd.v1 import (
+    encoder_pb2,
+    encoder_pb2_grpc,
+    media_pb2,
+    service_info_pb2,
+    service_info_pb2_grpc,
+    tensor_pb2,
+)
+from libs.launch.stack import Stack, StackSpec
+from libs.rpc.server import open_channel
+from libs.runtime import types as eng
+from libs.runtime.checkpoints import ensure_checkpoint
+from libs.runtime.encoder_runner import EncoderRunner
+from libs.runtime.media import synthetic
+from libs.serving import convert
+from tests.support.vllm_stack import call, mixes, reference_tokens, request, run, stats
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+FAMILY = "qwen2_5_vl"
+MIXES = {mix.name: mix for mix in mixes(FAMILY)}
+IMAGE = synthetic.png_bytes(112, 84, seed=1)
+# vLLM's tower and the reference tower compute in float32 from the same weights and the same
+# pixels (the vLLM encoder hands vLLM the project's resized pixels; vLLM only rescales and
+# normalizes them, as the project does); they differ
+# only in kernels (vLLM's SDPA attention, fused ops), i.e. float32 rounding: measured 2e-6 max abs
+# difference on values of order 1. 1e-4 leaves room for other CPUs' kernels, and is far below a
+# real difference (another image, another layout: order 1).
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return ensure_checkpoint(FAMILY, "tiny")
+
+
+@pytest.fixture(scope="module")
+def stack(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    spec = StackSpec(
+        layout="e+pd",
+        encoders=1,
+        model=model,
+        run_dir=tmp_path_factory.mktemp("vllm-encoder"),
+        engine="vllm",
+        encoder_engine="vllm",
+        ready_timeout_s=420.0,
+    )
+    with Stack(spec).running() as running:
+        yield running
+
+
+def _encoder(stack: Stack) -> str:
+    return stack.processes["encoder-0"].address
+
+
+async def _encode_inline(
+    address: str, modality: media_pb2.Modality.ValueType, data: bytes, max_pixels: int | None = None
+) -> encoder_pb2.EncodeResponse:
+    media = media_pb2.MediaItem(modality=modality, data=data)
+    if max_pixels is not None:
+        media.processor_options.max_pixels = max_pixels
+    async with open_channel(address) as channel:
+        reply: encoder_pb2.EncodeResponse = await encoder_pb2_grpc.EncoderServiceStub(channel).Encode(
+            encoder_pb2.EncodeRequest(
+                request_id=f"direct-{time.monotonic_ns()}",
+                items=[encoder_pb2.EncodeItem(item_index=0, media=media)],
+                accepted_transports=[tensor_pb2.TRANSPORT_KIND_INLINE],
+            ),
+            timeout=60,
+        )
+        return reply
+
+
+async def _info(address: str) -> service_info_pb2.ServiceInfo:
+    async with open_channel(address) as channel:
+        reply = await service_info_pb2_grpc.ServiceInfoServiceStub(channel).GetServiceInfo(
+            service_info_pb2.GetServiceInfoRequest(), timeout=10
+        )
+        info: service_info_pb2.ServiceInfo = reply.info
+        return info
+
+
+def _wait_empty(stack: Stack, timeout_s: float = 20.0) -> None:
+    """The encoder's pool back to empty (no slot, no lease, nothing quarantined), PD idle."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        encoder = run(stats, _encoder(stack))
+        pd = run(stats, stack.processes["pd"].address)
+        busy = [encoder.pool.slots_in_use, encoder.pool.active_leases, encoder.pool.quarantined_slots]
+        if not any(busy) and not pd.active_sequences:
+            return
+        assert time.monotonic() < deadline, f"still held: {busy}, pd {pd.active_sequences}"
+        time.sleep(0.2)  # polls the stats the services publish; each poll is an event check
+
+
+@pytest.fixture(scope="module")
+def expected(model: Path) -> dict[str, list[int]]:
+    return {name: reference_tokens(model, mix) for name, mix in MIXES.items()}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_tokens_equal_the_reference_runtime(stack: Stack, expected: dict[str, list[int]], mix: str) -> None:
+    result = call(stack.address, request(MIXES[mix]))
+    assert result.token_ids == expected[mix]
+    _wait_empty(stack)
+
+
+@pytest.mark.parametrize(
+    ("image", "max_pixels"),
+    [
+        (IMAGE, None),  # already on the patch grid: no resize
+        (synthetic.png_bytes(150, 97, seed=5), 2 * 56 * 56),  # resized under the request's pixel bound
+    ],
+    ids=["as-is", "resized-max-pixels"],
+)
+def test_embeddings_equal_the_reference_encoder(
+    stack: Stack, model: Path, image: bytes, max_pixels: int | None
+) -> None:
+    reply = run(_encode_inline, _encoder(stack), media_pb2.MODALITY_IMAGE, image, max_pixels)
+    (item,) = reply.items
+    (tensor,) = item.embeddings.tensors
+    got = torch.frombuffer(bytearray(tensor.inline_data), dtype=torch.float32).view(*tensor.spec.shape)
+    options = eng.ProcessorOptions(max_pixels=max_pixels)
+    (ref,) = EncoderRunner(model).encode([eng.MediaInput(eng.Modality.IMAGE, image, item_index=0, options=options)])
+    assert item.layout == convert.item_layout_to_wire(ref.layout)  # the same layout metadata, field for field
+    assert got.shape == ref.embeddings.shape
+    assert torch.allclose(got, ref.embeddings, atol=ATOL, rtol=0), (got - ref.embeddings).abs().max().item()
+    _wait_empty(stack)
+
+
+def test_bad_media_is_invalid_argument_and_the_engine_lives(stack: Stack) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        run(_encode_inline, _encoder(stack), media_pb2.MODALITY_IMAGE, b"\x89PNG not an image")
+    assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "items[0].media" in (bad.value.details() or "")
+    reply = run(_encode_inline, _encoder(stack), media_pb2.MODALITY_IMAGE, IMAGE)
+    assert reply.items[0].layout.placeholder_token_count > 0
+    _wait_empty(stack)
+
+
+def test_service_info_advertises_engine_vllm_and_the_reference_specs(stack: Stack, model: Path) -> None:
+    info = run(_info, _encoder(stack))
+    assert engine_of(info) == "vllm"
+    reference = EncoderRunner(model)
+    want = {s.modality: s for s in (convert.embedding_spec_to_wire(spec) for spec in reference.specs.values())}
+    got = {s.modality: s for s in info.embedding_specs}
+    assert got == want
