@@ -49,6 +49,12 @@ class EngineSettings(ModelServiceSettings):
     nixl_side_channel_port: int = setting(
         0, "vLLM: TCP port of the engine's NIXL side channel (KV handoffs); 0: a free port at every engine start"
     )
+    engine_busy_poll_s: float = setting(
+        -1.0,
+        "vLLM: seconds EngineCore and its Worker keep polling each other's queue after a message before they "
+        "sleep (waking every 1 ms); -1: vLLM's own (1 s); 0: sleep at once (a small CPU host, where the polling "
+        "takes the cores the forward needs)",
+    )
     engine_start_timeout_s: float = setting(
         300.0, "vLLM: seconds an engine (re)start may take; past it its processes are killed (a failure)"
     )

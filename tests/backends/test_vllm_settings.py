@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from libs.backends.settings import ChunkedEngineSettings, EngineSettings
-from libs.backends.vllm import runtime
+from libs.backends.vllm import engine_polling, runtime
 from libs.backends.vllm.requests import worker_transfer_config
 from libs.config import SettingsError, load_settings
 from libs.transfer import nixl_package as nixl
@@ -23,7 +23,9 @@ GPU = [
     *("--device", "cuda", "--dtype", "bfloat16", "--no-enforce-eager", "--gpu-memory-utilization", "0.85"),
     *("--tensor-parallel-size", "2", "--host", "10.1.2.3", "--nixl-side-channel-port", "5600"),
     *("--ucx-net-devices", "mlx5_0:1,eth0", "--ucx-tls", "rc,cuda_copy,tcp", "--pool-mib", "1024"),
-    "--no-checksum", "--max-num-batched-tokens", "8192",
+    "--no-checksum",
+    "--max-num-batched-tokens",
+    "8192",
 ]
 
 
@@ -130,6 +132,12 @@ def test_the_workers_nixl_agent_follows_the_services_transport_settings() -> Non
 def test_bad_engine_settings_are_refused_naming_the_flag(argv: list[str], message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         _settings(argv)
+
+
+def test_the_engine_busy_poll_window_reaches_the_engine_processes_when_set() -> None:
+    assert engine_polling.ENV not in runtime.engine_environment(_settings([]), KV)  # vLLM's own window
+    env = runtime.engine_environment(_settings(["--engine-busy-poll-s", "0"]), KV)
+    assert env[engine_polling.ENV] == "0.0"
 
 
 def test_a_wildcard_host_is_fine_for_the_reference_engine() -> None:

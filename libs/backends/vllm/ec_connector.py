@@ -32,7 +32,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
-from libs.backends.vllm import seeded_sampling
+from libs.backends.vllm import engine_polling, seeded_sampling
 from libs.backends.vllm.requests import ItemDescriptor, failure_path, worker_transfer_config
 
 if TYPE_CHECKING:
@@ -102,6 +102,7 @@ class EpdECConnector(ECConnectorBase):
         # worker side
         self._consumer: TensorConsumer | None = None
         self._failed: set[str] = set()
+        engine_polling.install()
         if role == ECConnectorRole.WORKER:
             seeded_sampling.install()
 

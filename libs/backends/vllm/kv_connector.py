@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
-from libs.backends.vllm import seeded_sampling
+from libs.backends.vllm import engine_polling, seeded_sampling
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,6 +52,7 @@ class EpdNixlConnector(NixlPullConnector):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         assert vllm_config.kv_transfer_config is not None
         extra = {**DEFAULTS, **vllm_config.kv_transfer_config.kv_connector_extra_config}
+        engine_polling.install()
         if role != KVConnectorRole.WORKER:
             super().__init__(vllm_config, role, kv_cache_config)
             return

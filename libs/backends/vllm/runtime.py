@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from libs.backends.identity import model_type, refusal
 from libs.backends.settings import EngineSettings
+from libs.backends.vllm import engine_polling
 from libs.backends.vllm.requests import ItemDescriptor
 from libs.contract.epd.v1 import generation_pb2
 from libs.contract.errors import EpdError, InvalidArgument, Unavailable
@@ -68,13 +69,17 @@ def engine_environment(settings: EngineSettings, kv: KvTransfer | None = None) -
       2-core host it takes every core (it reserves one more for transfers, finds none left, and
       binds to all), and each engine binds the same cores. Unbound, with the service's thread
       count, the engines of one host share the cores through the OS scheduler (measured:
-      docs/results/vllm.md, the decode cost)."""
+      docs/results/vllm.md, the decode cost);
+    - how long EngineCore and Worker poll each other before they sleep (`--engine-busy-poll-s`,
+      `engine_polling.py`)."""
     host = engine_host(settings)
     env = {"VLLM_HOST_IP": host, "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "UCX_NET_DEVICES": settings.ucx_net_devices}
     if settings.ucx_tls:
         env["UCX_TLS"] = settings.ucx_tls
     if kv is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv.side_channel_port)
+    if settings.engine_busy_poll_s >= 0:
+        env[engine_polling.ENV] = str(settings.engine_busy_poll_s)
     if settings.device == "cpu":
         env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(max(1, settings.torch_threads))}
     return env
