@@ -55,6 +55,9 @@ class DoorSettings(ClientAuthSettings, CommonSettings):
 def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit it: without it a keep-alive connection's small SSE writes wait
+    # for the client's delayed ACK and a whole stream arrives at once (TTFT ~ end-to-end time).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(1024)
     sock.setblocking(False)
