@@ -3,8 +3,9 @@ measured by vLLM's own client (`vllm bench serve`), each configuration alone on 
 
 Configurations (same checkpoint, same requests: `bench serve --seed`):
 
-- `epd-e+pd`, `epd-e/p/d`: EPD on vLLM (reference encoder: EPD has no vLLM encoder yet) behind
-  `services/openai_door`;
+- `epd-e+pd`, `epd-e/p/d`: EPD on vLLM (the reference encoder) behind `services/openai_door`;
+  `epd-e+pd-vllmenc`, `epd-e/p/d-vllmenc`: the same with the encoder on vLLM too
+  (`services/encoder --engine vllm`);
 - `vllm-e+pd`: vLLM's own E+PD as it documents it: an encoder-only `vllm serve` (EC producer,
   ECExampleConnector on a shared directory under var/) and a PD `vllm serve` (EC consumer), behind
   `libs.bench.vllm_proxy` (what vLLM's example EPD proxy does);
@@ -35,9 +36,15 @@ from typing import Any
 from libs.launch.process import ROOT, ServiceProcess, free_port
 from libs.launch.stack import Stack, StackSpec
 
-CONFIGS = ("epd-e+pd", "vllm-e+pd", "vllm-unsplit", "epd-e/p/d", "vllm-e/p/d")
+CONFIGS = (
+    "epd-e+pd", "epd-e+pd-vllmenc", "vllm-e+pd", "vllm-unsplit", "epd-e/p/d", "epd-e/p/d-vllmenc", "vllm-e/p/d",
+)  # fmt: skip
+VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
-PEERS = {"epd-e+pd": "vllm-e+pd", "epd-e/p/d": "vllm-e/p/d"}
+PEERS = {
+    "epd-e+pd": "vllm-e+pd", "epd-e+pd-vllmenc": "vllm-e+pd",
+    "epd-e/p/d": "vllm-e/p/d", "epd-e/p/d-vllmenc": "vllm-e/p/d",
+}  # fmt: skip
 UNSPLIT = "vllm-unsplit"
 
 # Metrics read from bench serve's result JSON: (key in the JSON, label, lower is better).
@@ -341,12 +348,14 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
     run_dir.mkdir(parents=True, exist_ok=True)
     name = model.name
     if config.startswith("epd-"):
-        layout = config.removeprefix("epd-")
+        vllm_encoder = config.endswith(VLLM_ENCODER)
+        layout = config.removeprefix("epd-").removesuffix(VLLM_ENCODER)
         spec = StackSpec(layout=layout, encoders=1, model=model, run_dir=run_dir, engine="vllm",
+                         encoder_engine="vllm" if vllm_encoder else "reference",
                          ready_timeout_s=ready_timeout_s, openai_door=True)  # fmt: skip
         with Stack(spec).running() as stack:
             dep = Deployment(config, stack.door_url.removesuffix("/v1"), name, stack=stack,
-                             note="reference encoder (EPD has no vLLM encoder yet)")  # fmt: skip
+                             note="vLLM encoder" if vllm_encoder else "reference encoder")  # fmt: skip
             wait_http(stack.door_url + "/models", [], ready_timeout_s)
             yield dep
         return
@@ -415,7 +424,8 @@ def load_average() -> tuple[float, float, float]:
 
 
 __all__ = [
-    "CONFIGS", "DATASETS", "METRICS", "PEERS", "UNSPLIT", "Dataset", "Deployment", "Engine", "Point", "Results",
+    "CONFIGS", "DATASETS", "METRICS", "PEERS", "UNSPLIT", "VLLM_ENCODER",
+    "Dataset", "Deployment", "Engine", "Point", "Results",
     "bench_serve", "bench_serve_args", "deployed", "median_range", "metrics_of", "plot", "points", "ratios",
     "schedule", "table", "wins",
 ]  # fmt: skip

@@ -56,6 +56,18 @@ def test_a_win_needs_the_whole_range_on_epds_side() -> None:
 
 
 @pytest.mark.unit
+def test_every_epd_configuration_has_vllms_deployment_of_its_layout_as_peer() -> None:
+    epd = [c for c in vs_vllm.CONFIGS if c.startswith("epd-")]
+    assert {c: vs_vllm.PEERS[c] for c in epd} == {
+        "epd-e+pd": "vllm-e+pd",
+        "epd-e+pd-vllmenc": "vllm-e+pd",
+        "epd-e/p/d": "vllm-e/p/d",
+        "epd-e/p/d-vllmenc": "vllm-e/p/d",
+    }
+    assert all(peer in vs_vllm.CONFIGS for peer in vs_vllm.PEERS.values())
+
+
+@pytest.mark.unit
 def test_the_schedule_interleaves_configurations() -> None:
     assert vs_vllm.schedule(["a", "b", "c"], 2) == [(0, "a"), (0, "b"), (0, "c"), (1, "a"), (1, "b"), (1, "c")]
 
