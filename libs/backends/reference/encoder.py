@@ -37,7 +37,7 @@ from libs.serving import convert
 from libs.serving.compute_thread import ComputeThread
 from libs.serving.encoding import encode_items
 from libs.serving.identity import model_identity
-from libs.serving.media_source import media_bytes
+from libs.serving.media_source import job_media
 from libs.serving.speech import speech_capabilities
 from libs.serving.transport import Transport, transfer_config
 from libs.telemetry.stages import stage
@@ -100,19 +100,7 @@ class ReferenceEncoder(EncoderBackend):
             return await self._encode(request)
 
     async def _encode(self, request: encoder_pb2.EncodeRequest) -> encoder_pb2.EncodeResponse:
-        media = [
-            convert.media_input(
-                item.media,
-                item.item_index,
-                media_bytes(
-                    item.media,
-                    f"items[{i}].media",
-                    max_bytes=self.limits.max_inline_media_bytes,
-                    file_root=self.file_root,
-                ),
-            )
-            for i, item in enumerate(request.items)
-        ]
+        media = job_media(request, max_bytes=self.limits.max_inline_media_bytes, file_root=self.file_root)
         if request.cache_policy == encoder_pb2.CACHE_POLICY_CACHED_ONLY:
             encoded = list(await asyncio.gather(*(self._from_cache(m, i) for i, m in enumerate(media))))
         elif self.cache is None:

@@ -57,7 +57,7 @@ from libs.runtime.media.limits import MediaLimits
 from libs.serving import convert
 from libs.serving.convert import engine_errors
 from libs.serving.identity import model_identity
-from libs.serving.media_source import media_bytes
+from libs.serving.media_source import job_media
 from libs.serving.transport import Transport, transfer_config
 from libs.telemetry.stages import stage
 from libs.transfer.producer import Reservation
@@ -170,19 +170,7 @@ class VllmEncoder(EncoderBackend):
             raise NotFound("items: this encoder keeps no cache (vLLM engine)")
         producer = self.transport.producer
         assert producer is not None, "the transport is bound once the server listens"
-        media = [
-            convert.media_input(
-                item.media,
-                item.item_index,
-                media_bytes(
-                    item.media,
-                    f"items[{i}].media",
-                    max_bytes=self.limits.max_inline_media_bytes,
-                    file_root=self.file_root,
-                ),
-            )
-            for i, item in enumerate(request.items)
-        ]
+        media = job_media(request, max_bytes=self.limits.max_inline_media_bytes, file_root=self.file_root)
         prepared = await asyncio.gather(*(asyncio.to_thread(self._prepare, m, i) for i, m in enumerate(media)))
         items: list[_Item] = []
         published: list[tensor_pb2.TensorHandle] = []
