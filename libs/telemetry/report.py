@@ -42,9 +42,10 @@ class RequestBreakdown:
 
 
 def _root(spans: list[SpanRecord]) -> SpanRecord | None:
-    # A traced client's own span is the router span's parent but is not in the file: still the root.
-    ids = {s.span_id for s in spans}
-    roots = [s for s in spans if s.name == ROOT_NAME and (not s.parent_id or s.parent_id not in ids)]
+    # The outermost Generate server span: its parent may be a traced client's span (not in the file)
+    # or the OpenAI door's HTTP span (in the file, another name); a Generate inside a Generate is not.
+    generate = {s.span_id for s in spans if s.name == ROOT_NAME}
+    roots = [s for s in spans if s.name == ROOT_NAME and s.parent_id not in generate]
     return min(roots, key=lambda s: s.start_ns) if roots else None
 
 

@@ -92,6 +92,23 @@ def test_breakdowns_take_the_window_from_the_root_and_keep_traces_apart() -> Non
     assert "r-1" in text and "p90 (1 requests)" in text
 
 
+def test_a_request_through_the_openai_door_is_reported_from_the_routers_span() -> None:
+    """The door's HTTP server span is the router span's parent, in the same file."""
+    door = span("POST /v1/chat/completions", None, -2, 31, service="openai_door", parent_id="")
+    root = span(
+        "GenerateService/Generate",
+        None,
+        0,
+        30,
+        service="router",
+        parent_id=door.span_id,
+        **{"epd.ttft_s": 0.022, "epd.request_id": "r-door"},
+    )
+    (item,) = breakdowns([*SPANS, door, root])
+    assert (item.request_id, item.ttft_s) == ("r-door", 0.022)
+    assert "openai_door" in item.services
+
+
 def test_time_outside_stages_goes_to_the_innermost_marked_span() -> None:
     """A router root marked "router", a call span marked "rpc" around the callee's server span
     marked "service", stages inside: hop, bookkeeping and router time each get their own column."""
