@@ -7,8 +7,9 @@ span), `service` (a backend's bookkeeping) and `router` (the router's own), by t
 marked `epd.attribution`, and `other` (covered by no marked span either). The split is a
 partition: every instant between the request's start and its first token is attributed to exactly
 one category, so the parts add up to TTFT. Where stage spans overlap (media encoded in parallel),
-an instant goes to the active stage span that ends last: the one the request is waiting for (the
-critical path).
+an instant goes to the active stage span on the branch that ends last (a branch: the span's parent,
+e.g. one item's Encode server span; then the span itself): the request waits for that branch, so
+its queue, preprocess and encode are the critical path, not whichever item's stage ends later.
 """
 
 from __future__ import annotations
@@ -56,11 +57,16 @@ def attribute(spans: list[SpanRecord], start_ns: int, end_ns: int) -> dict[str, 
     marked = [s for s in inside if s.attributes.get(ATTRIBUTION) in HOPS and "epd.stage" not in s.attributes]
     edges = (max(start_ns, min(end_ns, t)) for s in (*staged, *marked) for t in (s.start_ns, s.end_ns))
     cuts = sorted({start_ns, end_ns, *edges})
+    ends = {s.span_id: s.end_ns for s in spans}
+
+    def critical(s: SpanRecord) -> tuple[int, int, int]:
+        return (ends.get(s.parent_id or "", s.end_ns), s.end_ns, s.start_ns)
+
     parts = dict.fromkeys(CATEGORIES, 0.0)
     for lo, hi in itertools.pairwise(cuts):
         active = [s for s in staged if s.start_ns <= lo and s.end_ns >= hi]
         if active:
-            category = str(max(active, key=lambda s: (s.end_ns, s.start_ns)).attributes["epd.stage"])
+            category = str(max(active, key=critical).attributes["epd.stage"])
         else:
             # No stage: the innermost marked span (the one that started last) says whose time it is.
             hops = [s for s in marked if s.start_ns <= lo and s.end_ns >= hi]

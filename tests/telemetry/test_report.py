@@ -23,7 +23,7 @@ def span(name: str, stage: str | None, start_ms: float, end_ms: float, **attribu
         attributes["epd.stage"] = stage
     return SpanRecord(
         trace_id=attributes.pop("trace_id", TRACE),
-        span_id=f"{abs(hash((name, start_ms, end_ms))):016x}"[:16],
+        span_id=attributes.pop("span_id", f"{abs(hash((name, start_ms, end_ms))):016x}"[:16]),
         parent_id=attributes.pop("parent_id", "00" * 8),
         name=name,
         service=attributes.pop("service", "encoder"),
@@ -34,17 +34,21 @@ def span(name: str, stage: str | None, start_ms: float, end_ms: float, **attribu
 
 
 # Milliseconds after the request's start; its first token comes at 22.
+ITEM_A, ITEM_B = "a1" * 8, "b2" * 8  # the two items' Encode server spans: the branches
 SPANS = [
-    # Item A: queue 0-1, preprocess 1-3, encode 3-10. Item B, in parallel: queue 0-2, preprocess 2-4,
-    # encode 4-14. While both are active, the request waits for the one that ends last.
-    span("encoder.queue", "queue", 0, 1),
-    span("encoder.preprocess", "preprocess", 1, 3),
-    span("encoder.compute", "encode", 3, 10),
-    span("encoder.queue", "queue", 0, 2),
-    span("encoder.preprocess", "preprocess", 2, 4),
-    span("encoder.compute", "encode", 4, 14),
-    # A cache load that starts last but ends first: hidden by B's encode, which the request waits for.
-    span("cache.load", "cache_load", 5, 7),
+    # Item A: queue 0-1, preprocess 1-3, encode 3-10, done at 11. Item B, in parallel: queue 0-2,
+    # preprocess 2-4, encode 4-14, done at 15. The request waits for B: B's stages are the critical
+    # path even where one of A's ends later (A's preprocess at 2-3 outlives B's queue).
+    span("EncoderService/Encode", None, 0, 11, span_id=ITEM_A),
+    span("encoder.queue", "queue", 0, 1, parent_id=ITEM_A),
+    span("encoder.preprocess", "preprocess", 1, 3, parent_id=ITEM_A),
+    span("encoder.compute", "encode", 3, 10, parent_id=ITEM_A),
+    span("EncoderService/Encode", None, 0, 15, span_id=ITEM_B),
+    span("encoder.queue", "queue", 0, 2, parent_id=ITEM_B),
+    span("encoder.preprocess", "preprocess", 2, 4, parent_id=ITEM_B),
+    span("encoder.compute", "encode", 4, 14, parent_id=ITEM_B),
+    # A cache load on A's branch that starts last: hidden by B's encode, which the request waits for.
+    span("cache.load", "cache_load", 5, 7, parent_id=ITEM_A),
     span("embeddings.transfer", "transfer", 14, 16, service="prefill"),
     span("prefill.compute", "prefill", 16, 20, service="prefill"),
     # 20-21: no stage span (an RPC hop): "other". Decode starts at 21 and runs past the first token.
@@ -52,14 +56,14 @@ SPANS = [
     span("epd.encode", None, 0, 14, service="router"),  # a grouping span: never counted
     span("router.queue", "queue", -5, -1, service="router"),  # before the request's window
 ]
-WANT_MS = {"queue": 1, "preprocess": 2, "encode": 11, "cache_load": 0, "transfer": 2, "prefill": 4, "decode": 1}
+WANT_MS = {"queue": 2, "preprocess": 2, "encode": 10, "cache_load": 0, "transfer": 2, "prefill": 4, "decode": 1}
 
 
 def _seconds(parts_ms: dict[str, float]) -> dict[str, float]:
     return {c: parts_ms.get(c, 0) / 1000 for c in CATEGORIES}
 
 
-def test_each_instant_goes_to_the_active_stage_that_ends_last() -> None:
+def test_each_instant_goes_to_the_stage_of_the_branch_that_ends_last() -> None:
     parts = attribute(SPANS, T0, T0 + 22 * MS)
     assert parts == pytest.approx(_seconds({**WANT_MS, "other": 1}), abs=1e-9)
 
