@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# E/P/D (and E+PD) on vLLM on a CUDA GPU, checked against vLLM's own unsplit run of the same
-# checkpoint and media (the golden check). Exits non-zero on any mismatch or failure.
+# E/P/D (and E+PD) on vLLM on a CUDA GPU, encoders on the reference engine and on vLLM, checked
+# against the reference runtime's tokens (the golden check) and reported beside vLLM's own unsplit
+# run of the same checkpoint and media. Exits non-zero on any mismatch or failure.
 #
 #   deploy/gpu/check_vllm_epd.sh                 # from the repository root, on a machine with a GPU
 #   VENV=/opt/epd-cuda CUDA_MAJOR=13 deploy/gpu/check_vllm_epd.sh
@@ -48,5 +49,5 @@ PY
 
 # shellcheck disable=SC2086  # word splitting of FAMILIES / LAYOUTS is intended
 "$VENV/bin/python" tests/benchmarks/vllm_tokens.py --check --families $FAMILIES --layouts $LAYOUTS \
-    --service-args "$SERVICE_ARGS"
-echo "check_vllm_epd: EPD on vLLM (--device cuda) equals vLLM unsplit for every family, layout and mix"
+    --encoder-engines reference vllm --service-args "$SERVICE_ARGS"
+echo "check_vllm_epd: EPD on vLLM (--device cuda) equals the reference for every family, layout, encoder and mix"

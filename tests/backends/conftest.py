@@ -4,13 +4,15 @@ stack, so module scope starts each once and stops it before the next layout's en
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from libs.launch.stack import Stack, StackSpec
 from libs.runtime.checkpoints import ensure_checkpoint
+from tests.support.vllm_unsplit import unsplit_tokens
 
 # vLLM's step budget (--max-num-batched-tokens) of the stacks' prefilling engines: below every
 # multimodal prompt of the tests, so vLLM prefills each in chunks, a lone request too.
@@ -20,6 +22,13 @@ CHUNKED_PREFILL_TOKENS = 32
 @pytest.fixture(scope="session")
 def omni_tiny() -> Path:
     return ensure_checkpoint("qwen2_5_omni", "tiny")
+
+
+@pytest.fixture(scope="session")
+def vllm_unsplit() -> Callable[[Path, str], dict[str, list[int] | str]]:
+    """vLLM's own unsplit tokens for every mix of a checkpoint's family, one child run per family
+    per session (tests/support/vllm_unsplit.py)."""
+    return functools.cache(unsplit_tokens)
 
 
 @pytest.fixture(scope="module")

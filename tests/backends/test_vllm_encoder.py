@@ -11,7 +11,7 @@ advertises engine vllm and the reference encoder's embedding specs."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -35,6 +35,7 @@ from libs.runtime.encoder_runner import EncoderRunner
 from libs.runtime.media import synthetic
 from libs.serving import convert
 from tests.support.vllm_stack import call, mixes, reference_tokens, request, run, stats
+from tests.support.vllm_unsplit import AGREEING_MIXES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 FAMILY = "qwen2_5_vl"
@@ -123,6 +124,19 @@ def test_tokens_equal_the_reference_runtime(stack: Stack, expected: dict[str, li
     result = call(stack.address, request(MIXES[mix]))
     assert result.token_ids == expected[mix]
     _wait_empty(stack)
+
+
+@pytest.mark.parametrize("mix", sorted(AGREEING_MIXES & set(MIXES)))
+def test_tokens_equal_vllms_own_unsplit_run(
+    stack: Stack,
+    model: Path,
+    vllm_unsplit: Callable[[Path, str], dict[str, list[int] | str]],
+    mix: str,
+) -> None:
+    """vLLM alone, given the raw media (tests/support/vllm_unsplit.py), where its preprocessing is
+    the project's: the same tokens."""
+    result = call(stack.address, request(MIXES[mix]))
+    assert result.token_ids == vllm_unsplit(model, FAMILY)[mix]
 
 
 @pytest.mark.parametrize(

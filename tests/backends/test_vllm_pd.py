@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ from tests.support.vllm_stack import (
     until_draining,
     until_in_flight,
 )
+from tests.support.vllm_unsplit import AGREEING_MIXES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
@@ -116,6 +117,19 @@ def test_tokens_equal_the_reference_runtime(vllm_epd_stack: Stack, expected: dic
     assert result.token_ids == expected[mix]
     assert result.completion_tokens == len(expected[mix])
     _wait_empty(vllm_epd_stack)
+
+
+@pytest.mark.parametrize("mix", sorted(AGREEING_MIXES & set(MIXES)))
+def test_tokens_equal_vllms_own_unsplit_run(
+    vllm_epd_stack: Stack,
+    omni_tiny: Path,
+    vllm_unsplit: Callable[[Path, str], dict[str, list[int] | str]],
+    mix: str,
+) -> None:
+    """vLLM alone, given the raw media (tests/support/vllm_unsplit.py), where its preprocessing is
+    the project's: the same tokens."""
+    result = call(vllm_epd_stack.address, request(MIXES[mix]))
+    assert result.token_ids == vllm_unsplit(omni_tiny, "qwen2_5_omni")[mix]
 
 
 def test_contract_1_6_sampling_equals_the_reference_runtime(vllm_epd_stack: Stack, omni_tiny: Path) -> None:

@@ -13,6 +13,7 @@ from libs.backends.vllm.requests import ItemDescriptor, RequestPlanner
 from libs.contract.epd.v1 import chat_pb2, layout_pb2, media_pb2, tensor_pb2
 from libs.contract.errors import InvalidArgument
 from libs.runtime import types as eng
+from libs.runtime.checkpoints import ensure_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -55,6 +56,20 @@ def _audio(feature_length: int, rows: int) -> layout_pb2.EncodedMedia:
             audio=layout_pb2.AudioLayout(feature_length=feature_length, output_length=rows, duration_s=2.0),
         ),
         embeddings=_handle(rows, lease="lease-a"),
+    )  # fmt: skip
+
+
+def _video(
+    seconds_per_grid: float, handle: tensor_pb2.TensorHandle, timestamps: tuple[float, ...] = ()
+) -> layout_pb2.EncodedMedia:
+    # grid 2x4x6, merge 2: 12 rows
+    return layout_pb2.EncodedMedia(
+        layout=layout_pb2.ItemLayout(
+            modality=media_pb2.MODALITY_VIDEO, mm_hash="v" * 64, placeholder_token_count=12,
+            video=layout_pb2.VideoLayout(grid_t=2, grid_h=4, grid_w=6, seconds_per_grid=seconds_per_grid,
+                                         grid_timestamps_s=timestamps, sampled_frames=4),
+        ),
+        embeddings=handle,
     )  # fmt: skip
 
 
@@ -120,3 +135,33 @@ def test_prompt_plus_max_tokens_must_fit_the_model_length(planner: RequestPlanne
     with pytest.raises(InvalidArgument) as err:
         planner.plan("r", _messages(), eng.SamplingParams(max_tokens=600), lambda ref: b"", None)
     assert err.value.field == "sampling.max_tokens"
+
+
+def test_a_videos_temporal_step_is_the_layouts(planner: RequestPlanner) -> None:
+    """Sampled at 4 fps a temporal patch spans 0.5 s: vLLM's M-RoPE gets it, not its 1.0 default
+    (libs/backends/vllm/video_decisions.py; the engine side: test_video_decisions.py)."""
+    planned = _plan(planner, _video(0.5, _handle(12, lease="lease-v")))
+    video = planned.prompt["multi_modal_data"]["video"]  # type: ignore[attr-defined]
+    assert video["video_grid_thw"].tolist() == [[2, 4, 6]]
+    assert video["second_per_grid_ts"].tolist() == [0.5]
+
+
+def test_a_qwen3_vl_video_has_no_outer_markers() -> None:
+    """The project's Qwen3-VL video is the per-patch sequence alone; vLLM expands the bare
+    placeholder into it, so the template's `<|vision_start|>`/`<|vision_end|>` around it go."""
+    planner = RequestPlanner(ensure_checkpoint("qwen3_vl", "tiny"), max_model_len=512)
+    (spec,) = [s for s in planner.expected_specs() if s.modality is eng.Modality.VIDEO]
+    handle = _handle(12, width=spec.width, lease="lease-v")
+    for extra in spec.extra_tensors:
+        descriptor = tensor_pb2.TensorDescriptor()
+        descriptor.CopyFrom(handle.tensors[0])
+        descriptor.name = extra.name
+        descriptor.spec.shape[1] = extra.width
+        handle.tensors.append(descriptor)
+    planned = _plan(planner, _video(1.0, handle, timestamps=(0.25, 1.25)))
+    ids = planned.prompt["prompt_token_ids"]  # type: ignore[attr-defined]
+    to_id = planner.tokenizer.convert_tokens_to_ids
+    video, start, end = to_id("<|video_pad|>"), to_id("<|vision_start|>"), to_id("<|vision_end|>")
+    at = ids.index(video)
+    assert ids.count(video) == 1 and start not in ids and end not in ids, ids[at - 3 : at + 4]
+    assert planned.prompt["multi_modal_data"]["video"]["timestamps"] == [[0.25, 1.25]]  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from tests.support.vllm_stack import (
     sampled_tokens,
     stats,
 )
+from tests.support.vllm_unsplit import AGREEING_MIXES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MIXES = {mix.name: mix for mix in mixes("qwen2_5_omni")}
@@ -125,6 +126,19 @@ def test_tokens_equal_the_reference_runtime(vllm_split_stack: Stack, expected: d
     assert result.token_ids == expected[mix]
     assert result.completion_tokens == len(expected[mix])
     _wait_empty(vllm_split_stack)
+
+
+@pytest.mark.parametrize("mix", sorted(AGREEING_MIXES & set(MIXES)))
+def test_tokens_equal_vllms_own_unsplit_run(
+    vllm_split_stack: Stack,
+    omni_tiny: Path,
+    vllm_unsplit: Callable[[Path, str], dict[str, list[int] | str]],
+    mix: str,
+) -> None:
+    """vLLM alone, given the raw media (tests/support/vllm_unsplit.py), where its preprocessing is
+    the project's: the same tokens."""
+    result = call(vllm_split_stack.address, request(MIXES[mix]))
+    assert result.token_ids == vllm_unsplit(omni_tiny, "qwen2_5_omni")[mix]
 
 
 # Contract 1.6's sampling fields on vLLM's split (vLLM's own knobs): the reference runtime's tokens,

@@ -51,6 +51,7 @@ PROMPT = "Describe what you see and hear."
 class Mix:
     name: str
     media: tuple[tuple[media_pb2.Modality.ValueType, bytes], ...]
+    video_fps: float | None = None  # the items' processor option (unset: the checkpoint's 2 fps)
 
 
 def mixes(family: str) -> list[Mix]:
@@ -59,6 +60,9 @@ def mixes(family: str) -> list[Mix]:
     video = (media_pb2.MODALITY_VIDEO, synthetic.video_bytes(112, 84, frames=8, fps=4, seed=3))
     audio = (media_pb2.MODALITY_AUDIO, synthetic.wav_bytes(2.0, seed=4))
     out = [Mix("text", ()), Mix("image", (image,)), Mix("two_images", (image, other)), Mix("video", (video,))]
+    # Sampled at 4 fps, a temporal patch spans 0.5 s, not the 1.0 s vLLM assumes without the
+    # layout's `seconds_per_grid` (Qwen2.5-VL and Omni M-RoPE; Qwen3-VL: its timestamps).
+    out.append(Mix("video_4fps", (video,), video_fps=4.0))
     if family == "qwen2_5_omni":
         out.append(Mix("audio", (audio,)))
     return out
@@ -66,6 +70,9 @@ def mixes(family: str) -> list[Mix]:
 
 def request(mix: Mix, *, max_tokens: int = TOKENS, request_id: str = "") -> object:
     items = [media_pb2.MediaItem(modality=modality, data=data) for modality, data in mix.media]
+    if mix.video_fps is not None:
+        for item in items:
+            item.processor_options.video_fps = mix.video_fps
     sampling = sampling_pb2.SamplingParams(max_tokens=max_tokens)
     return build_request(PROMPT, items, sampling=sampling, request_id=request_id)
 
@@ -83,7 +90,8 @@ def reference_result(model: Path, mix: Mix, sampling: eng.SamplingParams) -> tup
     runtime = LanguageModelRuntime(model)
     modality = {media_pb2.MODALITY_IMAGE: eng.Modality.IMAGE, media_pb2.MODALITY_VIDEO: eng.Modality.VIDEO,
                 media_pb2.MODALITY_AUDIO: eng.Modality.AUDIO}  # fmt: skip
-    media = [eng.MediaInput(modality[m], data, item_index=i) for i, (m, data) in enumerate(mix.media)]
+    options = eng.ProcessorOptions(video_fps=mix.video_fps)
+    media = [eng.MediaInput(modality[m], data, item_index=i, options=options) for i, (m, data) in enumerate(mix.media)]
     items = encoder.encode(media) if media else []
     parts = (*(eng.EncodedPart(item) for item in items), eng.TextPart(PROMPT))
     result = PrefillRunner(runtime).prefill([eng.ChatMessage(eng.ChatRole.USER, parts)], sampling)

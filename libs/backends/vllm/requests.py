@@ -27,6 +27,11 @@ from typing import Any
 import torch
 
 from libs.backends.identity import model_type, refusal
+from libs.backends.vllm.video_decisions import (
+    SECONDS_PER_GRID_FAMILIES,
+    vllm_keeps_outer_video_markers,
+    without_outer_video_markers,
+)
 from libs.contract.epd.v1 import chat_pb2, tensor_pb2
 from libs.contract.errors import InvalidArgument
 from libs.runtime import types as eng
@@ -113,6 +118,19 @@ class RequestPlanner:
         self.family = str(self.checkpoint.config.get("model_type", ""))
         config = self.checkpoint.config.get("thinker_config", self.checkpoint.config)
         self.merge = int(config.get("vision_config", {}).get("spatial_merge_size", 2))
+        # Qwen3-VL video without the template's outer markers (libs/backends/vllm/video_decisions.py).
+        self.outer_video_markers: tuple[int, int, int] | None = None
+        if self.family == "qwen3_vl" and vllm_keeps_outer_video_markers():
+            start, video, end = (
+                self._token_id(token)
+                for token in ("<|vision_start|>", self.adapter.placeholder_token(eng.Modality.VIDEO), "<|vision_end|>")
+            )
+            self.outer_video_markers = (start, video, end)
+
+    def _token_id(self, token: str) -> int:
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        assert isinstance(token_id, int), token
+        return token_id
 
     def expected_specs(self) -> list[eng.EmbeddingSpec]:
         width = self.adapter.hidden_size
@@ -160,6 +178,9 @@ class RequestPlanner:
             for message in engine_messages
         ]
         ids = prompt_ids(self.tokenizer, engine_messages, conversation)
+        if self.outer_video_markers is not None:  # (text never holds them: build_prompt refuses it)
+            start, video, end = self.outer_video_markers
+            ids = without_outer_video_markers(ids, start=start, video=video, end=end)
         specs = {spec.modality: spec for spec in self.expected_specs()}
         descriptors: dict[str, ItemDescriptor] = {}
         uuids: dict[str, list[str]] = {}
@@ -280,6 +301,8 @@ def _add_metadata(fields: dict[str, list[Any]], layout: eng.ItemLayout, family: 
         fields.setdefault("video_grid_thw", []).append([v.grid_t, v.grid_h, v.grid_w])
         if family == "qwen3_vl":
             fields.setdefault("timestamps", []).append(list(v.grid_timestamps_s))
+        elif family in SECONDS_PER_GRID_FAMILIES:  # M-RoPE's temporal step (video_decisions.py)
+            fields.setdefault("second_per_grid_ts", []).append(v.seconds_per_grid)
     elif layout.audio is not None:
         fields.setdefault("audio_feature_lengths", []).append(layout.audio.feature_length)
 

@@ -26,6 +26,7 @@ from libs.backends.identity import model_type, refusal
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import engine_polling
 from libs.backends.vllm.requests import ItemDescriptor
+from libs.backends.vllm.video_decisions import accept_second_per_grid_ts
 from libs.contract.epd.v1 import generation_pb2
 from libs.contract.errors import EpdError, InvalidArgument, Unavailable
 from libs.contract.reasons import Reason
@@ -220,6 +221,7 @@ def build_engine(
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    accept_second_per_grid_ts()  # requests are parsed in this process
     args = engine_args(settings, failure_dir=failure_dir, ec_consumer=ec_consumer, kv=kv, ec_producer=ec_producer)
     if "ec_transfer_config" in args:
         args["ec_transfer_config"] = ECTransferConfig(**args["ec_transfer_config"])
