@@ -63,10 +63,11 @@ class LeaseTable:
                 self._unknown += 1
                 return False
             self._counts[how] += 1
-        self._free(lease.slot)
+            self._free(lease.slot)
         return True
 
     def _free(self, slot: Slot) -> None:
+        # Under the lock: stats never show a lease gone while its slot is still in use.
         wipe(slot.address)
         self._pool.free(slot, poison=self._poison)
 
@@ -76,11 +77,9 @@ class LeaseTable:
             overdue = [lease for lease in self._leases.values() if lease.expires_at <= now]
             for lease in overdue:
                 del self._leases[lease.lease_id]
+                self._free(lease.slot)
             self._counts[Completion.EXPIRED] += len(overdue)
-            remaining = bool(self._leases)
-        for lease in overdue:
-            self._free(lease.slot)
-        return remaining
+            return bool(self._leases)
 
     def stats(self) -> LeaseStats:
         with self._lock:

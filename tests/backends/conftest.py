@@ -12,11 +12,8 @@ import pytest
 
 from libs.launch.stack import Stack, StackSpec
 from libs.runtime.checkpoints import ensure_checkpoint
+from tests.support.vllm_stack import CHUNKED_PREFILL_TOKENS
 from tests.support.vllm_unsplit import unsplit_tokens
-
-# vLLM's step budget (--max-num-batched-tokens) of the stacks' prefilling engines: below every
-# multimodal prompt of the tests, so vLLM prefills each in chunks, a lone request too.
-CHUNKED_PREFILL_TOKENS = 32
 
 
 @pytest.fixture(scope="session")

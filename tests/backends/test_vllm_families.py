@@ -17,9 +17,8 @@ import pytest
 
 from libs.launch.stack import Stack, StackSpec
 from libs.runtime.checkpoints import ensure_checkpoint
-from tests.backends.conftest import CHUNKED_PREFILL_TOKENS
 from tests.support import vllm_stack
-from tests.support.vllm_stack import Mix, call, mixes, reference_tokens, run, stats
+from tests.support.vllm_stack import CHUNKED_PREFILL_TOKENS, Mix, call, mixes, reference_tokens, run, stats
 from tests.support.vllm_unsplit import AGREEING_MIXES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -229,10 +229,8 @@ def _serve(conn: Connection, config: dict[str, Any], netns: str | None = None) -
         return exhausted
 
     def stats() -> dict[str, Any]:
-        return {
-            "pool": dataclasses.asdict(agent.pool.stats()),
-            "leases": dataclasses.asdict(producer.lease_stats()),
-        }
+        leases = dataclasses.asdict(producer.lease_stats())  # first: a lease seen gone has its slot freed
+        return {"pool": dataclasses.asdict(agent.pool.stats()), "leases": leases}
 
     def put(requests: Sequence[TensorRequest], seed: int, ttl_s: float | None) -> tuple[bytes, dict[str, str]]:
         tensors = make(requests, seed)

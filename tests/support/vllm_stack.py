@@ -44,6 +44,9 @@ from libs.runtime.media import synthetic
 from libs.runtime.prefill_runner import PrefillRunner
 
 TOKENS = 8
+# vLLM's step budget (--max-num-batched-tokens) of the stacks' prefilling engines: below every
+# multimodal prompt of the tests, so vLLM prefills each in chunks, a lone request too.
+CHUNKED_PREFILL_TOKENS = 32
 PROMPT = "Describe what you see and hear."
 
 

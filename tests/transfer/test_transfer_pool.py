@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from libs.transfer import PoolExhausted
-from libs.transfer.pool import POISON_BYTE, SLOT_ALIGNMENT, MemoryPool
+from libs.transfer.leases import Completion, Lease, LeaseTable
+from libs.transfer.pool import POISON_BYTE, SLOT_ALIGNMENT, MemoryPool, Slot
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -124,4 +125,39 @@ def test_concurrent_allocations_never_overlap() -> None:
     assert errors == []
     assert pool.stats().empty
     assert pool.stats().largest_free_bytes == pool.capacity
+    pool.close()
+
+
+class _GatedPool(MemoryPool):
+    """A pool whose `free` waits for a gate: the window in which a lease is gone but its slot is not."""
+
+    def __init__(self) -> None:
+        super().__init__(64 * KiB, huge_pages=False)
+        self.freeing = threading.Event()
+        self.gate = threading.Event()
+
+    def free(self, slot: Slot, *, poison: bool = False) -> None:
+        self.freeing.set()
+        assert self.gate.wait(10)
+        super().free(slot, poison=poison)
+
+
+@pytest.mark.parametrize("how", ["expiry", "ack"])
+def test_lease_stats_never_show_a_lease_gone_while_its_slot_is_in_use(how: str) -> None:
+    pool = _GatedPool()
+    table = LeaseTable(pool, poison_freed=False)
+    table.add(Lease("lease-1", pool.allocate(4 * KiB), expires_at=0.0))
+    completer = threading.Thread(
+        target=lambda: table.reap(now=1.0) if how == "expiry" else table.complete("lease-1", Completion.ACKED)
+    )
+    completer.start()
+    assert pool.freeing.wait(10)
+    seen: list[tuple[int, int]] = []
+    reader = threading.Thread(target=lambda: seen.append((table.stats().active, pool.stats().slots_in_use)))
+    reader.start()
+    reader.join(0.2)  # the completion holds the table: a reader waits instead of seeing half of it
+    pool.gate.set()
+    completer.join(10)
+    reader.join(10)
+    assert seen == [(0, 0)]
     pool.close()
