@@ -71,11 +71,6 @@ def record_transfer(span: Span, *, nbytes: int, seconds: float, transport: str, 
     _bytes.add(nbytes, {"epd.transfer.direction": direction, "epd.transfer.transport": transport})
 
 
-def count_transfer(nbytes: int, *, transport: str, direction: str) -> None:
-    """Bytes moved by a transfer no span of ours times (vLLM's worker reads them inside a step)."""
-    _bytes.add(nbytes, {"epd.transfer.direction": direction, "epd.transfer.transport": transport})
-
-
 def phase(name: str, **attributes: Any) -> Any:
     """A plain (non-stage) span grouping stages, e.g. one encode item at the router."""
     return _tracer.start_as_current_span(name, attributes=attributes)

@@ -43,12 +43,14 @@ def vllm_epd_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) ->
         # --engine-hang-timeout-s: the drain test stops the engine (frozen_engine) on purpose, for
         # as long as a loaded host needs; the watchdog must not take that for a hang.
         # --max-num-batched-tokens: a lone multimodal prompt is chunked too (CHUNKED_PREFILL_TOKENS).
+        # --ucx-tls tcp: a READ needs the encoder's progress (no cross-memory attach), so the
+        # slow-read test's stopped encoder holds a READ in flight for as long as the test needs.
         extra_args={
             "pd": [
                 *("--grace-s", "120", "--prefill-chunk-tokens", "16", "--engine-hang-timeout-s", "600"),
-                *("--max-num-batched-tokens", str(CHUNKED_PREFILL_TOKENS)),
+                *("--max-num-batched-tokens", str(CHUNKED_PREFILL_TOKENS), "--ucx-tls", "tcp"),
             ],
-            "encoder-0": ["--lease-ttl-s", "300"],
+            "encoder-0": ["--lease-ttl-s", "300", "--ucx-tls", "tcp"],
         },
         ready_timeout_s=420.0,
     )

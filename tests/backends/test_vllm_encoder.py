@@ -6,10 +6,15 @@ module, Qwen2.5-VL tiny (vLLM's own tower runs it; the Omni one crashes vLLM's C
 Tokens equal the reference runtime's for every mix of the family; the vLLM encoder's embeddings
 equal the reference encoder's within float32 rounding; bad media is INVALID_ARGUMENT and the
 engine keeps serving; every lease is released and the encoder pool ends empty; the encoder
-advertises engine vllm and the reference encoder's embedding specs."""
+advertises engine vllm and the reference encoder's embedding specs. Last, the encoder's engine
+life: a hung engine (SIGSTOPped) and a killed one are each restarted, their Encode calls fail
+UNAVAILABLE (ENGINE_RESTARTING), health is NOT_SERVING until the engine is back, and the same
+tokens come through the router after."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2
 
 from libs.backends.identity import engine_of
 from libs.contract.epd.v1 import (
@@ -27,6 +33,7 @@ from libs.contract.epd.v1 import (
     service_info_pb2_grpc,
     tensor_pb2,
 )
+from libs.contract.reasons import Reason, reason_of
 from libs.launch.stack import Stack, StackSpec
 from libs.rpc.server import open_channel
 from libs.runtime import types as eng
@@ -34,7 +41,18 @@ from libs.runtime.checkpoints import ensure_checkpoint
 from libs.runtime.encoder_runner import EncoderRunner
 from libs.runtime.media import synthetic
 from libs.serving import convert
-from tests.support.vllm_stack import call, mixes, reference_tokens, request, run, stats
+from tests.support.vllm_stack import (
+    call,
+    engine_processes,
+    frozen_engine,
+    mixes,
+    reference_tokens,
+    request,
+    run,
+    stats,
+    until_health,
+    until_in_flight,
+)
 from tests.support.vllm_unsplit import AGREEING_MIXES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -48,6 +66,8 @@ IMAGE = synthetic.png_bytes(112, 84, seed=1)
 # difference on values of order 1. 1e-4 leaves room for other CPUs' kernels, and is far below a
 # real difference (another image, another layout: order 1).
 ATOL = 1e-4
+HANG_S = 5.0  # the encoder's watchdog timeout in this module
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +84,8 @@ def stack(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sta
         run_dir=tmp_path_factory.mktemp("vllm-encoder"),
         engine="vllm",
         encoder_engine="vllm",
+        # The engine-life tests: a stopped engine with an Encode queued is given up after HANG_S.
+        extra_args={"encoder-0": ["--engine-hang-timeout-s", str(HANG_S), "--engine-backoff-start-s", "0.5"]},
         ready_timeout_s=420.0,
     )
     with Stack(spec).running() as running:
@@ -179,3 +201,45 @@ def test_service_info_advertises_engine_vllm_and_the_reference_specs(stack: Stac
     want = {s.modality: s for s in (convert.embedding_spec_to_wire(spec) for spec in reference.specs.values())}
     got = {s.modality: s for s in info.embedding_specs}
     assert got == want
+
+
+def _engine_fault(stack: Stack, expected: dict[str, list[int]], fault: str) -> None:
+    """`fault` ("hang": the engine's processes stopped; "kill": its EngineCore SIGKILLed) while an
+    Encode is queued: the call fails UNAVAILABLE with ENGINE_RESTARTING, health goes NOT_SERVING
+    until the replacement serves, and the router's image request gives the same tokens after."""
+    encoder = stack.processes["encoder-0"]
+
+    async def scenario() -> grpc.aio.AioRpcError:
+        with frozen_engine(encoder) as thaw:
+            pending = asyncio.ensure_future(
+                _encode_inline(encoder.address, media_pb2.MODALITY_IMAGE, synthetic.png_bytes(84, 56, seed=3))
+            )
+            await until_in_flight(encoder.address, 1)  # queued in the stopped engine: it cannot finish
+            if fault == "kill":
+                for core in [p for p in engine_processes(encoder) if "EngineCore" in p.name() + " ".join(p.cmdline())]:
+                    core.send_signal(signal.SIGKILL)
+                thaw()  # the rest of the engine sees its EngineCore gone
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await pending
+        # Down once the supervisor saw the failure (a killed EngineCore may fail the call first),
+        # while the replacement starts; then back.
+        await until_health(encoder.address, NOT_SERVING, 60)
+        await until_health(encoder.address, SERVING, 300)
+        return failed.value
+
+    error = run(scenario)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+    assert reason_of(error) == Reason.ENGINE_RESTARTING, error.details()
+    assert call(stack.address, request(MIXES["image"])).token_ids == expected["image"]
+    _wait_empty(stack)
+    log = encoder.log_tail(400)
+    assert "vLLM engine restarted" in log, log
+
+
+def test_a_hung_vllm_encoder_is_restarted(stack: Stack, expected: dict[str, list[int]]) -> None:
+    _engine_fault(stack, expected, "hang")
+    assert "hung: no progress for" in stack.processes["encoder-0"].log_tail(400)
+
+
+def test_a_killed_vllm_encoder_is_restarted(stack: Stack, expected: dict[str, list[int]]) -> None:
+    _engine_fault(stack, expected, "kill")

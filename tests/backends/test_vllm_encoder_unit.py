@@ -16,7 +16,8 @@ from libs.backends import registry
 from libs.backends.identity import encoder_refusal
 from libs.backends.settings import EncoderBackendSettings
 from libs.backends.vllm import runtime
-from libs.backends.vllm.ec_producer import ItemRefused, SlotDescriptor, write_item, written_mark
+from libs.backends.vllm.ec_producer import ItemRefused, write_item, written_mark
+from libs.backends.vllm.shared_pool import SlotDescriptor
 from libs.config import load_settings
 from libs.contract.epd.v1 import service_info_pb2
 from libs.contract.errors import FailedPrecondition

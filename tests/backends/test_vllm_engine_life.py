@@ -28,7 +28,14 @@ from libs.contract.epd.v1 import chat_pb2, prefill_decode_pb2, prefill_decode_pb
 from libs.contract.reasons import Reason, reason_of
 from libs.launch.process import ServiceProcess
 from libs.rpc.server import open_channel
-from tests.support.vllm_stack import TokenStream, engine_processes, frozen_engine, health, stats, until_in_flight
+from tests.support.vllm_stack import (
+    TokenStream,
+    engine_processes,
+    frozen_engine,
+    stats,
+    until_health,
+    until_in_flight,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HANG_S = 3.0  # the watchdog's timeout in this module: a stopped engine is given up this soon
@@ -61,23 +68,6 @@ def _request(name: str, max_tokens: int) -> prefill_decode_pb2.PrefillDecodeRequ
     )
 
 
-async def _until_health(address: str, status: int, timeout_s: float) -> list[int]:
-    """Poll health until `status` (bounded); every distinct status seen, in order."""
-    seen: list[int] = []
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        try:
-            now = await health(address)
-        except grpc.aio.AioRpcError as exc:
-            raise AssertionError(f"{address} stopped answering health: {exc.code().name}") from None
-        if not seen or seen[-1] != now:
-            seen.append(now)
-        if now == status:
-            return seen
-        assert asyncio.get_running_loop().time() < deadline, f"{address}: health {seen}, never {status}"
-        await asyncio.sleep(0.05)
-
-
 def test_a_hung_engine_is_restarted_and_its_request_fails_engine_restarting(pd: ServiceProcess) -> None:
     async def scenario() -> None:
         async with open_channel(pd.address) as channel:
@@ -95,7 +85,7 @@ def test_a_hung_engine_is_restarted_and_its_request_fails_engine_restarting(pd: 
             assert "hung" in (failed.value.details() or "")
             assert HANG_S <= detected < HANG_S + 60  # the watchdog's timeout, not the request's deadline
             # Down while the replacement starts (refused at once, UNAVAILABLE), then back.
-            assert (await _until_health(pd.address, SERVING, 300))[0] == NOT_SERVING
+            assert (await until_health(pd.address, SERVING, 300))[0] == NOT_SERVING
             tokens = await TokenStream(stub.PrefillDecode(_request("after", 4), timeout=120)).run()
             assert len(tokens) == 4
             assert (await stats(pd.address)).requests_in_flight == 0

@@ -10,6 +10,7 @@ Run last within this module: the engine-kill test (a restart costs ~1 min), then
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from libs.contract.epd.v1 import (
     service_info_pb2_grpc,
     tensor_pb2,
 )
+from libs.contract.reasons import Reason, reason_of
 from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
 from libs.runtime import types as eng
@@ -46,6 +48,7 @@ from tests.support.vllm_stack import (
     call,
     cancel_after_chunks,
     encode_image,
+    frozen,
     frozen_engine,
     health,
     mixes,
@@ -99,7 +102,8 @@ def _wait_empty(stack: Stack, timeout_s: float = 20.0) -> None:
     while True:
         encoders = [run(stats, p.address) for n, p in stack.processes.items() if n.startswith("encoder")]
         pd = run(stats, stack.processes["pd"].address)
-        busy = [s.pool.slots_in_use + s.pool.active_leases for s in encoders] + [pd.active_sequences]
+        busy = [s.pool.slots_in_use + s.pool.active_leases for s in encoders]
+        busy += [pd.active_sequences, pd.pool.slots_in_use]  # PD's pool: the embeddings it read for vLLM
         if not any(busy):
             return
         assert time.monotonic() < deadline, f"still held: {busy}"
@@ -237,11 +241,14 @@ def test_missing_embedding_fails_the_request_and_the_engine_lives(
     encoder = vllm_epd_stack.processes["encoder-0"].address
     encoded = run(encode_image, encoder, synthetic.png_bytes(84, 56, seed=8))
 
-    # The encoder frees (and poisons) the slot: the READ in vLLM's worker must fail.
+    # The encoder frees (and poisons) the slot: PD's READ must fail, with the reason the router
+    # re-encodes for.
     assert run(release, encoder, [encoded.embeddings.lease_id]) == 1
-    code, details = _pd_status(pd, _pd_request(encoded))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        run(_prefill_decode, pd, _pd_request(encoded))
+    code, details = caught.value.code(), caught.value.details() or ""
     assert code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE), (code, details)
-    assert "embedding" in details
+    assert reason_of(caught.value) == Reason.EMBEDDING_GONE and encoded.embeddings.lease_id in details
     assert run(health, pd) == health_pb2.HealthCheckResponse.SERVING
     assert call(vllm_epd_stack.address, request(MIXES["image"])).token_ids == expected["image"]
     _wait_empty(vllm_epd_stack)
@@ -250,6 +257,58 @@ def test_missing_embedding_fails_the_request_and_the_engine_lives(
 def test_cancel_mid_stream_frees_the_sequence_and_the_leases(vllm_epd_stack: Stack) -> None:
     # Up to the model's length: the stream is still running when the test cancels it, on any host.
     assert run(cancel_after_chunks, vllm_epd_stack.address, request(MIXES["image"], max_tokens=LONG), 2) == 2
+    _wait_empty(vllm_epd_stack)
+
+
+def test_a_slow_embedding_read_holds_its_request_only(vllm_epd_stack: Stack, expected: dict[str, list[int]]) -> None:
+    """The embeddings are read before vLLM sees the request: while one read waits on an encoder that
+    does not answer (SIGSTOPped; over TCP a READ needs the peer's progress), vLLM steps the other
+    sequences on; a request whose read outlives its deadline fails DEADLINE_EXCEEDED; the slow one,
+    once its encoder answers, gives the tokens of the same image read at once."""
+    pd = vllm_epd_stack.processes["pd"].address
+    encoder = vllm_epd_stack.processes["encoder-0"]
+    image = synthetic.png_bytes(84, 56, seed=9)
+    # Read at once first: PD has met this encoder (first contact) before it stops answering.
+    at_once = run(_prefill_decode, pd, _pd_request(run(encode_image, encoder.address, image)))
+    slow_item, late_item = run(encode_image, encoder.address, image), run(encode_image, encoder.address, image)
+
+    async def reads_in_flight(count: int) -> None:
+        while (await stats(pd)).pool.slots_in_use < count:  # PD's pool: the READs' slots
+            await asyncio.sleep(0.01)
+
+    async def scenario() -> tuple[list[int], grpc.StatusCode]:
+        async with open_channel(pd) as channel:
+            stub = prefill_decode_pb2_grpc.PrefillDecodeServiceStub(channel)
+            text = TokenStream(stub.PrefillDecode(_pd_request(None, "Tell a long story.", LONG), timeout=300))
+            text_task = asyncio.create_task(text.run())
+            await asyncio.wait_for(text.first.wait(), 120)
+            with frozen([psutil.Process(encoder.pid)], encoder.name) as thaw:
+                slow = TokenStream(stub.PrefillDecode(_pd_request(slow_item), timeout=120))
+                slow_task = asyncio.create_task(slow.run())
+                await until_in_flight(pd, 2)  # admitted,
+                await asyncio.wait_for(reads_in_flight(1), 120)  # and reading (its slot taken)
+                seen = len(text.tokens)
+                async with asyncio.timeout(120):  # the text stream's steps go on meanwhile
+                    while len(text.tokens) < seen + 16:
+                        assert not slow_task.done(), "the slow request ended while its encoder was stopped"
+                        await asyncio.sleep(0.01)
+                with pytest.raises(grpc.aio.AioRpcError) as late:  # its deadline ends its read
+                    await TokenStream(stub.PrefillDecode(_pd_request(late_item), timeout=2)).run()
+                assert not slow_task.done() and not slow.tokens and not text_task.done()
+                thaw()
+            tokens = await asyncio.wait_for(slow_task, 120)
+            text.call.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await text_task
+            return tokens, late.value.code()
+
+    tokens, late_code = run(scenario)
+    assert late_code == grpc.StatusCode.DEADLINE_EXCEEDED
+    # Given back as the router would; or already acked: its READ, posted before the deadline, landed
+    # once the encoder answered again. Either way no lease is left (_wait_empty).
+    assert run(release, encoder.address, [late_item.embeddings.lease_id]) in (0, 1)
+    assert tokens == at_once and len(tokens) == 4
+    assert call(vllm_epd_stack.address, request(MIXES["image"])).token_ids == expected["image"]
     _wait_empty(vllm_epd_stack)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from libs.backends.vllm.requests import ItemDescriptor, RequestPlanner
+from libs.backends.vllm.requests import RequestPlanner
 from libs.contract.epd.v1 import chat_pb2, layout_pb2, media_pb2, tensor_pb2
 from libs.contract.errors import InvalidArgument
 from libs.runtime import types as eng
@@ -79,20 +79,18 @@ def _messages(*encoded: layout_pb2.EncodedMedia, text: str = "Describe it.") -> 
 
 
 def _plan(planner: RequestPlanner, *encoded: layout_pb2.EncodedMedia, text: str = "Describe it.") -> object:
-    return planner.plan("r1", _messages(*encoded, text=text), SAMPLING, lambda ref: b"agent-blob", None)
+    return planner.plan("r1", _messages(*encoded, text=text), SAMPLING)
 
 
-def test_a_valid_conversation_becomes_metadata_and_descriptors(planner: RequestPlanner) -> None:
+def test_a_valid_conversation_becomes_metadata_and_item_ids(planner: RequestPlanner) -> None:
     first, second = _image(), _image(grid=(1, 4, 4), rows=4, lease="lease-2")
-    planned = planner.plan("r1", _messages(first, second), SAMPLING, lambda ref: b"agent-blob", None)
+    planned = planner.plan("r1", _messages(first, second), SAMPLING)
     image_id = planner.tokenizer.convert_tokens_to_ids("<|IMAGE|>")
     assert planned.prompt["prompt_token_ids"].count(image_id) == 2  # one placeholder per item
     assert planned.prompt["multi_modal_data"]["image"]["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 4]]
     uuids = planned.prompt["multi_modal_uuids"]["image"]
     assert uuids == ["h" * 64 + "-lease-1", "h" * 64 + "-lease-2"]  # same item, two leases: two reads
-    item = planned.items[uuids[0]]
-    assert (item.request_id, item.rows, item.width, item.agent_metadata) == ("r1", 6, 64, b"agent-blob")
-    assert ItemDescriptor.from_dict(item.to_dict()) == item  # survives vLLM's msgpack as plain types
+    assert planned.uuids == uuids  # in item order: the service reads them and says where each lies
     assert planned.prompt_tokens == len(planned.prompt["prompt_token_ids"]) - 2 + 10
 
 
@@ -133,7 +131,7 @@ def test_handles_must_carry_what_the_model_consumes(planner: RequestPlanner) -> 
 
 def test_prompt_plus_max_tokens_must_fit_the_model_length(planner: RequestPlanner) -> None:
     with pytest.raises(InvalidArgument) as err:
-        planner.plan("r", _messages(), eng.SamplingParams(max_tokens=600), lambda ref: b"", None)
+        planner.plan("r", _messages(), eng.SamplingParams(max_tokens=600))
     assert err.value.field == "sampling.max_tokens"
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from libs.backends.settings import ChunkedEngineSettings, EngineSettings
 from libs.backends.vllm import engine_polling, runtime
-from libs.backends.vllm.requests import worker_transfer_config
+from libs.backends.vllm.streams import reads_config
 from libs.config import SettingsError, load_settings
 from libs.transfer import nixl_package as nixl
 
@@ -45,13 +45,7 @@ def test_the_defaults_are_todays_cpu_values() -> None:
     assert args["long_prefill_token_threshold"] == 64
     assert "max_num_batched_tokens" not in args  # vLLM's own budget
     assert args["kv_transfer_config"]["kv_buffer_device"] == "cpu"
-    assert args["ec_transfer_config"]["ec_connector_extra_config"] == {
-        "failure_dir": str(FAILURES),
-        "pool_mib": 256,
-        "ucx_net_devices": "lo",
-        "ucx_tls": "",
-        "checksum": True,
-    }
+    assert args["ec_transfer_config"]["ec_connector_extra_config"] == {"failure_dir": str(FAILURES)}
     assert runtime.engine_environment(settings, KV) == {
         "VLLM_HOST_IP": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -70,13 +64,7 @@ def test_gpu_settings_reach_the_engine_arguments_and_environment() -> None:
     assert args["gpu_memory_utilization"] == 0.85 and "kv_cache_memory_bytes" not in args
     assert args["kv_transfer_config"]["kv_buffer_device"] == "cuda"
     assert args["max_num_batched_tokens"] == 8192
-    extra = args["ec_transfer_config"]["ec_connector_extra_config"]
-    assert (extra["pool_mib"], extra["ucx_net_devices"], extra["ucx_tls"], extra["checksum"]) == (
-        1024,
-        "mlx5_0:1,eth0",
-        "rc,cuda_copy,tcp",
-        False,
-    )
+    assert set(args["ec_transfer_config"]["ec_connector_extra_config"]) == {"failure_dir"}  # no NIXL in the worker
     # No CPU thread binding on a GPU; the host is the service's --host; the side channel is fixed.
     kv = runtime.KvTransfer("kv_consumer", "epd-decode-abc", runtime.side_channel_port(settings))
     assert runtime.engine_environment(settings, kv) == {
@@ -105,14 +93,14 @@ def test_decode_and_pd_get_no_chunking_and_decode_no_encoder_cache() -> None:
     assert "kv_transfer_config" not in pd and "worker_extension_cls" not in pd
 
 
-def test_the_workers_nixl_agent_follows_the_services_transport_settings() -> None:
-    extra = _args(_settings(GPU))["ec_transfer_config"]["ec_connector_extra_config"]
-    config = worker_transfer_config(extra)
+def test_the_embedding_reads_follow_the_services_transport_settings_into_a_shared_pool() -> None:
+    config = reads_config(_settings(GPU), "prefill")
     assert config.pool_bytes == 1024 << 20 and not config.verify_checksum
+    assert config.shared_pool  # vLLM's worker maps it and copies each item from there
     assert config.ucx_environment()["UCX_NET_DEVICES"] == "mlx5_0:1,eth0"
     assert config.ucx_environment()["UCX_TLS"] == "rc,cuda_copy,tcp"
-    default = worker_transfer_config(_args(_settings([]))["ec_transfer_config"]["ec_connector_extra_config"])
-    assert default.pool_bytes == 256 << 20 and default.verify_checksum
+    default = reads_config(_settings([]), "pd")
+    assert default.pool_bytes == 256 << 20 and default.verify_checksum and default.shared_pool
     assert "UCX_TLS" not in default.ucx_environment() and default.ucx_environment()["UCX_NET_DEVICES"] == "lo"
 
 

@@ -33,6 +33,7 @@ from libs.contract.epd.v1 import (
     service_info_pb2_grpc,
     tensor_pb2,
 )
+from libs.contract.reasons import Reason, reason_of
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
@@ -261,9 +262,12 @@ def test_a_missing_embedding_fails_prefill_and_the_engine_lives(
     address = _addresses(vllm_split_stack)
     encoded = run(encode_image, address["encoder-0"], synthetic.png_bytes(56, 84, seed=9))
     run(release, address["encoder-0"], [encoded.embeddings.lease_id])  # freed (and poisoned): the READ must fail
-    code, details = _status(call_prefill, address["prefill"], _prefill_request(encoded))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        run(call_prefill, address["prefill"], _prefill_request(encoded))
+    code, details = caught.value.code(), caught.value.details() or ""
     assert code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE), (code, details)
-    assert "embedding" in details
+    # The reason the router re-encodes for; the details name the lease.
+    assert reason_of(caught.value) == Reason.EMBEDDING_GONE and encoded.embeddings.lease_id in details
     assert run(health, address["prefill"]) == health_pb2.HealthCheckResponse.SERVING
     _wait_empty(vllm_split_stack)
     assert call(vllm_split_stack.address, request(MIXES["image"])).token_ids == expected["image"]

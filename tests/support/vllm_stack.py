@@ -223,6 +223,23 @@ class TokenStream:
         return self.tokens
 
 
+async def until_health(address: str, status: int, timeout_s: float) -> list[int]:
+    """Poll health until `status` (bounded); every distinct status seen, in order."""
+    seen: list[int] = []
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            now = await health(address)
+        except grpc.aio.AioRpcError as exc:
+            raise AssertionError(f"{address} stopped answering health: {exc.code().name}") from None
+        if not seen or seen[-1] != now:
+            seen.append(now)
+        if now == status:
+            return seen
+        assert asyncio.get_running_loop().time() < deadline, f"{address}: health {seen}, never {status}"
+        await asyncio.sleep(0.05)
+
+
 async def until_draining(address: str, timeout_s: float = 30.0) -> None:
     """Until the service's health is NOT_SERVING: it got its signal and drains (bounded)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
@@ -295,12 +312,19 @@ def frozen_engine(service: ServiceProcess) -> Iterator[Callable[[], None]]:
     answers health and stats, drains, but no request it admitted can advance, let alone finish,
     until the engine is thawed (the callable given, or leaving the block): a request in flight
     stays in flight for as long as the test needs, however fast the host."""
-    processes = engine_processes(service)
+    with frozen(engine_processes(service), service.name) as thaw:
+        yield thaw
+
+
+@contextlib.contextmanager
+def frozen(processes: list[psutil.Process], name: str) -> Iterator[Callable[[], None]]:
+    """`processes` stopped (SIGSTOP, every thread), until thawed (the callable given, or leaving
+    the block)."""
     for process in processes:
         process.suspend()
     deadline = time.monotonic() + 30
     while not all(_stopped(p.pid) for p in processes):
-        assert time.monotonic() < deadline, f"{service.name}: its engine did not stop"
+        assert time.monotonic() < deadline, f"{name}: did not stop"
         time.sleep(0.001)
     thawed = False
 

@@ -32,9 +32,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import mmap
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +45,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from libs.backends.vllm import engine_polling
+from libs.backends.vllm.shared_pool import PoolMaps, SlotDescriptor
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,34 +66,6 @@ def failure_file(directory: Path, key: str) -> Path:
     """Where the worker reports why item `key` could not be written."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
     return directory / f"{safe}.json"
-
-
-@dataclass(frozen=True)
-class SlotDescriptor:
-    """Where one item's output goes (plain types: it crosses vLLM's msgpack and pickle)."""
-
-    key: str  # the service's name of the item (its `written` mark, its failure report)
-    request_id: str  # the service's request id (failure messages)
-    item: int  # the item's position in the Encode request
-    pool_path: str  # `MemoryPool.share_path` of the service's pool
-    slot_offset: int  # byte offset of the slot in the pool (its stamp area first)
-    rows: int  # the project's layout: rows every tensor must have
-    dtype: str  # torch dtype name of the slot's tensors ("float32", ...)
-    tensors: tuple[tuple[str, int, int], ...]  # (name, byte offset in the pool, width), in vLLM's order
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @staticmethod
-    def from_dict(raw: dict[str, Any]) -> SlotDescriptor:
-        raw = dict(raw)
-        raw["tensors"] = tuple((str(n), int(o), int(w)) for n, o, w in raw["tensors"])
-        return SlotDescriptor(**raw)
-
-    @property
-    def width(self) -> int:
-        """Of vLLM's output: the tensors side by side on the last dimension."""
-        return sum(w for _, _, w in self.tensors)
 
 
 @dataclass
@@ -121,13 +93,14 @@ def write_item(buffer: Any, slot: SlotDescriptor, output: torch.Tensor) -> None:
             f"{where}: vLLM's tower gave {list(output.shape)}, the project's layout says "
             f"[{slot.rows}, {slot.width}] (preprocessing differs between the engines)",
         )
-    dtype = getattr(torch, slot.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ItemRefused("INTERNAL", f"{where}: unknown slot dtype {slot.dtype!r}")
-    source = output.detach().to(device="cpu", dtype=dtype)
+    try:
+        views = slot.views(buffer)
+    except ValueError as exc:
+        raise ItemRefused("INTERNAL", str(exc)) from None
+    source = output.detach().to(device="cpu", dtype=views[0].dtype)
     start = 0
-    for _, offset, width in slot.tensors:
-        view = torch.frombuffer(buffer, dtype=dtype, count=slot.rows * width, offset=offset).view(slot.rows, width)
+    for view in views:
+        width = int(view.shape[1])
         view.copy_(source[:, start : start + width])
         start += width
     mark = written_mark(slot.key)
@@ -143,8 +116,7 @@ class EpdECProducer(ECConnectorBase):
         self._failure_dir = Path(str(extra.get("failure_dir", "")))
         # scheduler side: request id -> {uuid -> descriptor dict}, while the request lives
         self._slots: dict[str, dict[str, dict[str, Any]]] = {}
-        # worker side: the service's pool, mapped once per path
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps = PoolMaps()  # worker side: the services' pools
 
     # ---- scheduler side (EngineCore) -------------------------------------------------------------
 
@@ -188,21 +160,11 @@ class EpdECProducer(ECConnectorBase):
         except Exception:  # never let a save take the engine down
             return
         try:
-            write_item(self._map(slot.pool_path), slot, encoder_cache[mm_hash])
+            write_item(self._maps.get(slot.pool_path), slot, encoder_cache[mm_hash])
         except ItemRefused as exc:
             self._report(slot.key, exc.code, exc.message)
         except Exception as exc:
             self._report(slot.key, "INTERNAL", f"items[{slot.item}]: writing vLLM's output failed: {exc}")
-
-    def _map(self, path: str) -> mmap.mmap:
-        region = self._maps.get(path)
-        if region is None:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                region = self._maps[path] = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
-            finally:
-                os.close(fd)  # the mapping keeps the memory
-        return region
 
     def _report(self, uuid: str, code: str, message: str) -> None:
         if not str(self._failure_dir):
@@ -214,7 +176,4 @@ class EpdECProducer(ECConnectorBase):
             os.replace(tmp, target)
 
     def shutdown(self) -> None:
-        for region in self._maps.values():
-            with contextlib.suppress(BufferError, ValueError):
-                region.close()
-        self._maps.clear()
+        self._maps.close()

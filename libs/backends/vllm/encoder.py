@@ -43,7 +43,8 @@ from libs.backends.identity import capability, encoder_refusal
 from libs.backends.in_flight import InFlight
 from libs.backends.settings import EncoderBackendSettings
 from libs.backends.vllm import runtime
-from libs.backends.vllm.ec_producer import SlotDescriptor, failure_file, written_mark
+from libs.backends.vllm.ec_producer import failure_file, written_mark
+from libs.backends.vllm.shared_pool import SlotDescriptor
 from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or_exit
 from libs.contract.epd.v1 import encoder_pb2, layout_pb2, tensor_pb2
 from libs.contract.errors import EpdError, FailedPrecondition, NotFound, error_for

@@ -1,11 +1,12 @@
 """Prefill + decode on vLLM (the PD role of the E+PD layout).
 
-The service validates and plans each request (`requests.py`), resolves the encoders' NIXL agent
-metadata (first-contact check of each encoder, cached per incarnation), and submits it to
-`AsyncLLM`; vLLM's worker reads the embeddings itself through the project's EC connector. Tokens
-stream back per step (`RequestOutputKind.DELTA`). A request whose embeddings could not be read
-fails with the transfer's typed status before any token is streamed; a dead engine fails its
-requests with UNAVAILABLE and is restarted (`supervisor.py`).
+The service validates and plans each request (`requests.py`), reads its embeddings over NIXL into
+its shared pool (first contact with each encoder checked; the request's deadline; while it reads,
+vLLM steps every other sequence on), then submits it to `AsyncLLM`, whose worker copies them into
+its encoder cache through the project's EC connector. Tokens stream back per step
+(`RequestOutputKind.DELTA`). A request whose embeddings could not be read fails with the
+transfer's typed status before vLLM sees it; a dead engine fails its requests with UNAVAILABLE
+and is restarted (`supervisor.py`).
 """
 
 from __future__ import annotations
@@ -27,13 +28,12 @@ from libs.backends.in_flight import InFlight
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
 from libs.backends.vllm.requests import RequestPlanner, failure_path
-from libs.backends.vllm.streams import EncoderAgents, count_embedding_bytes, raise_load_failure
+from libs.backends.vllm.streams import embedding_reads, raise_load_failure, read_items
 from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or_exit
 from libs.contract.epd.v1 import generation_pb2, prefill_decode_pb2
 from libs.contract.errors import EpdError
 from libs.runtime import types as eng
 from libs.serving import convert
-from libs.serving.identity import model_identity
 from libs.telemetry.stages import record_duration, stage, start_phase
 
 _log = structlog.get_logger(__name__)
@@ -48,7 +48,9 @@ class VllmPrefillDecode(PrefillDecodeBackend):
     def __init__(self, settings: EngineSettings, planner: RequestPlanner, failure_dir: Path) -> None:
         self.planner = planner
         self.weights_digest = planner.checkpoint.weights_digest()
-        self._agents = EncoderAgents(model_identity(settings, self.weights_digest))
+        # The embeddings' reads, also this service's transport as the reference PD's (stats, pool).
+        self.reads = embedding_reads(settings, "pd", self.weights_digest)
+        self.transport = self.reads
         self._failure_dir = failure_dir
         self._default_max_tokens = 256  # as the reference runtime
         self.supervisor = EngineSupervisor(
@@ -99,24 +101,26 @@ class VllmPrefillDecode(PrefillDecodeBackend):
     ) -> AsyncGenerator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None], None]:
         request_id, priority = request.request_id, request.priority
         sampling = convert.sampling_to_engine(request.sampling)
-        planned = await asyncio.to_thread(
-            self.planner.plan, request_id, request.messages, sampling, self._agents, deadline
-        )
-        params = runtime.sampling_params(sampling, self._default_max_tokens, planned.items)
-        engine = self.supervisor.engine()
-        llm = engine.llm
+        planned = await asyncio.to_thread(self.planner.plan, request_id, request.messages, sampling)
+        self.supervisor.engine()  # UNAVAILABLE before any read while the engine is down
         failure = failure_path(self._failure_dir, request_id)
         self._active += 1
         generated = 0
         started = time.perf_counter()
         span = None
+        items = None
         try:
+            items, slots = await read_items(
+                self.reads, self.planner, request_id, request.messages, planned.uuids, deadline
+            )
+            params = runtime.sampling_params(sampling, self._default_max_tokens, slots)
+            engine = self.supervisor.engine()
+            llm = engine.llm
             stream = llm.generate(planned.prompt, params, request_id, priority=runtime.engine_priority(priority))
             with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as prefill_span:
                 first = await engine.next(stream, deadline)
                 prefill_span.set_attribute("epd.prompt_tokens", len(first.prompt_token_ids or ()))
             raise_load_failure(failure)  # before anything built on missing embeddings is streamed
-            count_embedding_bytes(planned.items)
             span = start_phase("decode.generate", **{"epd.stage": "decode", "epd.engine": "vllm"})
             out: Any = first
             while True:
@@ -137,6 +141,10 @@ class VllmPrefillDecode(PrefillDecodeBackend):
         finally:
             self._active -= 1
             failure.unlink(missing_ok=True)
+            if items is not None:
+                # vLLM is done with the request (finished, failed or aborted by the stream's close):
+                # a preempted sequence re-reads its items from these slots until then.
+                items.release()
             if span is not None:
                 span.set_attribute("epd.decode.tokens", generated)
                 span.end()
@@ -144,7 +152,7 @@ class VllmPrefillDecode(PrefillDecodeBackend):
 
     async def close(self) -> None:
         await self.supervisor.close()
-        self._agents.close()
+        self.reads.close()
         shutil.rmtree(self._failure_dir, ignore_errors=True)
 
 

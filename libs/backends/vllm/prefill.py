@@ -1,6 +1,7 @@
 """Prefill on vLLM (the P role of the E/P/D layout).
 
-A request is planned and its embeddings read as for PD (`pd.py`); vLLM computes the prompt's KV
+A request is planned and its embeddings read into the service's shared pool as for PD (`pd.py`);
+vLLM computes the prompt's KV
 and samples the first token (`max_tokens` 1, `do_remote_decode`: its NixlConnector keeps the
 blocks for decode). The response carries the handoff as typed fields (`KvCache.paged`: engine id,
 request id, side channel, block ids; `DecodeState.engine_prompt`: the prompt as the engine took
@@ -27,13 +28,12 @@ from libs.backends.in_flight import InFlight
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
 from libs.backends.vllm.requests import RequestPlanner, failure_path
-from libs.backends.vllm.streams import EncoderAgents, count_embedding_bytes, raise_load_failure
+from libs.backends.vllm.streams import embedding_reads, raise_load_failure, read_items
 from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or_exit
 from libs.contract.epd.v1 import generation_pb2, prefill_pb2, stats_pb2
 from libs.contract.errors import EpdError, Unavailable
 from libs.runtime import types as eng
 from libs.serving import convert
-from libs.serving.identity import model_identity
 from libs.telemetry.stages import stage
 
 DEFAULT_MAX_TOKENS = 256  # as the reference runtime
@@ -110,7 +110,8 @@ class VllmPrefill(PrefillBackend):
         self._settings = settings
         self.planner = planner
         self.weights_digest = planner.checkpoint.weights_digest()
-        self._agents = EncoderAgents(model_identity(settings, self.weights_digest))
+        # The embeddings' reads (not `transport`: the leases this service serves are vLLM's KV blocks).
+        self.reads = embedding_reads(settings, "prefill", self.weights_digest)
         self._failure_dir = failure_dir
         self.supervisor = EngineSupervisor(self._build, EngineLife.of(settings), queued=lambda: self._active)
         self.leases: KvLeases = KvLeases(self.supervisor)  # the KV blocks vLLM keeps for decode
@@ -152,25 +153,27 @@ class VllmPrefill(PrefillBackend):
         self, request: prefill_pb2.PrefillRequest, deadline: float | None
     ) -> prefill_pb2.PrefillResponse:
         sampling = convert.sampling_to_engine(request.sampling)
-        planned = await asyncio.to_thread(
-            self.planner.plan, request.request_id, request.messages, sampling, self._agents, deadline
-        )
-        params = runtime.sampling_params(
-            sampling,
-            DEFAULT_MAX_TOKENS,
-            planned.items,
-            seed=runtime.split_seed(sampling, request.request_id),
-            max_tokens=1,
-            kv_transfer_params={"do_remote_decode": True},
-        )
-        engine = self.supervisor.engine()
-        llm = engine.llm
+        planned = await asyncio.to_thread(self.planner.plan, request.request_id, request.messages, sampling)
+        self.supervisor.engine()  # UNAVAILABLE before any read while the engine is down
         failure = failure_path(self._failure_dir, request.request_id)
         self._active += 1
         out: Any = None
         handed = False
+        items = None
         try:
-            stream = llm.generate(
+            items, slots = await read_items(
+                self.reads, self.planner, request.request_id, request.messages, planned.uuids, deadline
+            )
+            params = runtime.sampling_params(
+                sampling,
+                DEFAULT_MAX_TOKENS,
+                slots,
+                seed=runtime.split_seed(sampling, request.request_id),
+                max_tokens=1,
+                kv_transfer_params={"do_remote_decode": True},
+            )
+            engine = self.supervisor.engine()
+            stream = engine.llm.generate(
                 planned.prompt, params, request.request_id, priority=runtime.engine_priority(request.priority)
             )
             with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as span:
@@ -178,8 +181,7 @@ class VllmPrefill(PrefillBackend):
                 while not out.finished:
                     out = await engine.next(stream, deadline)
                 span.set_attribute("epd.prompt_tokens", len(out.prompt_token_ids or ()))
-            raise_load_failure(failure)  # embeddings that could not be read: nothing built on them leaves
-            count_embedding_bytes(planned.items)
+            raise_load_failure(failure)  # embeddings that did not reach vLLM: nothing built on them leaves
             response = self._response(request, planned.prompt["prompt_token_ids"], sampling, out)
             handed = response.HasField("kv_cache")
             if handed:
@@ -192,6 +194,8 @@ class VllmPrefill(PrefillBackend):
         finally:
             self._active -= 1
             failure.unlink(missing_ok=True)
+            if items is not None:
+                items.release()  # vLLM is done with the prompt: its KV holds what they gave
             params_out = getattr(out, "kv_transfer_params", None) or {}
             if not handed and params_out.get("remote_request_id"):
                 # Ended at the first token, failed or cancelled: nobody will read these blocks.
@@ -259,7 +263,7 @@ class VllmPrefill(PrefillBackend):
     async def close(self) -> None:
         await self.leases.close()
         await self.supervisor.close()
-        self._agents.close()
+        self.reads.close()
         shutil.rmtree(self._failure_dir, ignore_errors=True)
 
 

@@ -11,16 +11,14 @@ the model consumes. The result:
 - `multi_modal_data`: the layout metadata only (grids, timestamps, audio feature lengths), no
   embeddings (vLLM's EC consumer path);
 - `multi_modal_uuids`: `<mm_hash>-<lease id>` per item, unique per lease, so vLLM never answers a
-  request from another request's cache entry and every lease is read (and acked) once;
-- per item an `ItemDescriptor`, for the EC connector in vLLM's worker.
+  request from another request's cache entry; the service reads each lease once, into its shared
+  pool, and tells the EC connector where each uuid's tensors lie (`shared_pool.SlotDescriptor`).
 """
 
 from __future__ import annotations
 
-import base64
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +37,6 @@ from libs.runtime.checkpoint import Checkpoint
 from libs.runtime.families import adapter_for
 from libs.runtime.prompt import build_prompt, prompt_ids
 from libs.serving import convert
-from libs.transfer import ExpectedTensor, TransferConfig
 
 
 def failure_path(directory: Path, request_id: str) -> Path:
@@ -48,56 +45,10 @@ def failure_path(directory: Path, request_id: str) -> Path:
     return directory / f"{safe}.json"
 
 
-def metadata_parts(resolved: Any) -> tuple[bytes, bool]:
-    """A transfer resolver's answer (a bare blob, or the blob and whether slots are stamped)."""
-    if isinstance(resolved, bytes | bytearray):
-        return bytes(resolved), False
-    return bytes(resolved.blob), bool(getattr(resolved, "lease_stamps", False))
-
-
-@dataclass(frozen=True)
-class ItemDescriptor:
-    """What the EC connector needs to read one item (plain types: it crosses vLLM's msgpack)."""
-
-    request_id: str
-    handle: str  # base64 of the serialized epd.v1 TensorHandle
-    agent_name: str
-    agent_metadata_b64: str  # the producer's NIXL agent metadata (from its ServiceInfo)
-    lease_stamps: bool  # the producer stamps its slots: the reader checks the stamps
-    rows: int
-    width: int  # of the concatenated tensor (embeddings + extras)
-    tensors: tuple[tuple[str, int, int], ...]  # (name, wire dtype, width) the handle must carry
-    deadline: float  # time.time() after which the read is pointless (0: none)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @staticmethod
-    def from_dict(raw: dict[str, Any]) -> ItemDescriptor:
-        raw = dict(raw)
-        raw["tensors"] = tuple(tuple(t) for t in raw["tensors"])
-        return ItemDescriptor(**raw)
-
-    @property
-    def agent_metadata(self) -> bytes:
-        return base64.b64decode(self.agent_metadata_b64)
-
-    def tensor_handle(self) -> tensor_pb2.TensorHandle:
-        return tensor_pb2.TensorHandle.FromString(base64.b64decode(self.handle))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the worker reads for this item (every tensor of the handle)."""
-        return sum(int(t.spec.nbytes) for t in self.tensor_handle().tensors)
-
-    def expected(self) -> dict[str, ExpectedTensor]:
-        return {name: ExpectedTensor(dtype, (self.rows, width)) for name, dtype, width in self.tensors}
-
-
 @dataclass
 class PlannedRequest:
     prompt: dict[str, Any]  # vLLM's prompt dict
-    items: dict[str, ItemDescriptor]  # uuid -> descriptor
+    uuids: list[str]  # each item's `multi_modal_uuids` entry, in the request's item order
     prompt_tokens: int  # after placeholder expansion
 
 
@@ -149,10 +100,8 @@ class RequestPlanner:
         request_id: str,
         messages: Sequence[chat_pb2.ChatMessage],
         sampling: eng.SamplingParams,
-        agent_metadata: Callable[[tensor_pb2.NixlAgentRef], Any],
-        deadline: float | None,
     ) -> PlannedRequest:
-        """Validate and build; `agent_metadata` resolves (and first-contact checks) a producer."""
+        """Validate and build (nothing is read: the service reads the items it is given)."""
         parts = convert.media_parts(messages)
         layouts = [convert.item_layout_to_engine(p.encoded.layout) for p in parts]
         items = [eng.EncodedItem(layout, {}) for layout in layouts]
@@ -182,37 +131,25 @@ class RequestPlanner:
             start, video, end = self.outer_video_markers
             ids = without_outer_video_markers(ids, start=start, video=video, end=end)
         specs = {spec.modality: spec for spec in self.expected_specs()}
-        descriptors: dict[str, ItemDescriptor] = {}
+        ordered: list[str] = []
         uuids: dict[str, list[str]] = {}
         data: dict[str, dict[str, list[Any]]] = {}
-        wall_deadline = 0.0 if deadline is None else time.time() + (deadline - time.monotonic())
         for index, (part, layout) in enumerate(zip(parts, layouts, strict=True)):
             handle = part.encoded.embeddings
             field = f"items[{index}].embeddings"
             spec = specs[layout.modality]
             _check_count(layout, self.merge, f"items[{index}].layout")
-            wanted = _check_handle(handle, spec, layout.placeholder_token_count, field)
+            _check_handle(handle, spec, layout.placeholder_token_count, field)
             uuid = f"{layout.mm_hash}-{handle.lease_id}"
             kind = layout.modality.value
             uuids.setdefault(kind, []).append(uuid)
+            ordered.append(uuid)
             _add_metadata(data.setdefault(kind, {}), layout, self.family)
-            blob, stamps = metadata_parts(agent_metadata(handle.agent))
-            descriptors[uuid] = ItemDescriptor(
-                request_id=request_id,
-                handle=base64.b64encode(handle.SerializeToString()).decode(),
-                agent_name=handle.agent.agent_name,
-                agent_metadata_b64=base64.b64encode(blob).decode(),
-                lease_stamps=stamps,
-                rows=layout.placeholder_token_count,
-                width=sum(width for _, _, width in wanted),
-                tensors=wanted,
-                deadline=wall_deadline,
-            )
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
-        if descriptors:
+        if ordered:
             prompt["multi_modal_data"] = {kind: _tensors(fields) for kind, fields in data.items()}
             prompt["multi_modal_uuids"] = uuids
-        return PlannedRequest(prompt, descriptors, len(expanded.input_ids))
+        return PlannedRequest(prompt, ordered, len(expanded.input_ids))
 
     def plan_decode(self, token_ids: Sequence[int], layouts: Sequence[eng.ItemLayout], field: str) -> dict[str, Any]:
         """The prompt a decode engine rebuilds the sequence from, as prefill's engine took it: token
@@ -267,10 +204,9 @@ def _check_count(layout: eng.ItemLayout, merge: int, field: str) -> None:
         )
 
 
-def _check_handle(
-    handle: tensor_pb2.TensorHandle, spec: eng.EmbeddingSpec, rows: int, field: str
-) -> tuple[tuple[str, int, int], ...]:
-    """The handle must carry exactly what the model consumes, over NIXL (vLLM's worker reads it)."""
+def _check_handle(handle: tensor_pb2.TensorHandle, spec: eng.EmbeddingSpec, rows: int, field: str) -> None:
+    """The handle must carry exactly what the model consumes, over NIXL (read into the shared pool
+    vLLM's worker copies from)."""
     if handle.transport != tensor_pb2.TRANSPORT_KIND_NIXL:
         raise InvalidArgument(f"{field}.transport", "the vLLM engine reads embeddings over NIXL only")
     wanted = (
@@ -288,7 +224,6 @@ def _check_handle(
                 f"{name} is {list(got.shape)} {tensor_pb2.DType.Name(got.dtype)}, "
                 f"the model wants [{rows}, {width}] {tensor_pb2.DType.Name(dtype)}",
             )
-    return wanted
 
 
 def _add_metadata(fields: dict[str, list[Any]], layout: eng.ItemLayout, family: str) -> None:
@@ -309,22 +244,3 @@ def _add_metadata(fields: dict[str, list[Any]], layout: eng.ItemLayout, family: 
 
 def _tensors(fields: dict[str, list[Any]]) -> dict[str, Any]:
     return {name: values if name == "timestamps" else torch.tensor(values) for name, values in fields.items()}
-
-
-# Registered pool of vLLM's worker's NIXL agent when the service gives none (`pool_mib`): embeddings
-# of one step's loads land here before they are copied into vLLM's encoder cache, on the device.
-_WORKER_POOL_MIB = 64
-
-
-def worker_transfer_config(extra: dict[str, Any]) -> TransferConfig:
-    """The worker's NIXL agent from the service's transport settings (`ec_connector_extra_config`,
-    libs/backends/vllm/runtime.py `engine_args`), as libs/serving/transport.py makes the services'."""
-    checksum = bool(extra.get("checksum", True))
-    tls = str(extra.get("ucx_tls", ""))
-    return TransferConfig(
-        agent_name_prefix="vllm-ec",
-        pool_bytes=int(extra.get("pool_mib", _WORKER_POOL_MIB)) << 20,
-        verify_checksum=checksum,
-        ucx_net_devices=str(extra.get("ucx_net_devices", "lo")),
-        extra_env=(("UCX_TLS", tls),) if tls else (),
-    )

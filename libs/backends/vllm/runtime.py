@@ -25,7 +25,7 @@ from typing import Any, Literal
 from libs.backends.identity import model_type, refusal
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import engine_polling
-from libs.backends.vllm.requests import ItemDescriptor
+from libs.backends.vllm.shared_pool import SlotDescriptor
 from libs.backends.vllm.video_decisions import accept_second_per_grid_ts
 from libs.contract.epd.v1 import generation_pb2
 from libs.contract.errors import EpdError, InvalidArgument, Unavailable
@@ -171,14 +171,9 @@ def engine_args(
             ec_connector="EpdECConnector",
             ec_connector_module_path=EC_CONNECTOR_MODULE,
             ec_role="ec_consumer",
-            # The worker's NIXL agent, as the service's settings say (libs/serving/transport.py).
-            ec_connector_extra_config={
-                "failure_dir": str(failure_dir),
-                "pool_mib": settings.pool_mib,
-                "ucx_net_devices": settings.ucx_net_devices,
-                "ucx_tls": settings.ucx_tls,
-                "checksum": settings.checksum,
-            },
+            # The embeddings are in the service's shared pool (read there over NIXL, as the
+            # service's transport settings say); the worker only copies them.
+            ec_connector_extra_config={"failure_dir": str(failure_dir)},
         )
     if ec_producer:
         # The encoder (E): the tower only, its outputs written into the service's shared pool by
@@ -253,7 +248,7 @@ def split_seed(params: eng.SamplingParams, request_id: str) -> int | None:
 def sampling_params(
     params: eng.SamplingParams,
     default_max_tokens: int,
-    items: dict[str, ItemDescriptor],
+    items: dict[str, SlotDescriptor],
     *,
     seed: int | None = None,
     max_tokens: int | None = None,

@@ -1,45 +1,68 @@
-"""What the vLLM engines of the PD, prefill and decode services share: the encoders' agent metadata
-(first-contact checked) and the EC connector's report of embeddings it could not read (the next
-output of a request's stream is the supervisor's `Engine.next`: it also ends when the engine fails)."""
+"""What the vLLM engines of the PD and prefill services share: the embedding reads into the
+service's shared pool (before vLLM sees a request: see ec_connector.py) and the EC connector's
+report of items it could not copy into vLLM's encoder cache (the next output of a request's
+stream is the supervisor's `Engine.next`: it also ends when the engine fails)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from libs.backends.vllm.requests import ItemDescriptor
-from libs.contract.epd.v1 import service_info_pb2, tensor_pb2
-from libs.contract.errors import Unavailable, error_for
+from libs.backends.settings import EngineSettings
+from libs.backends.vllm.requests import RequestPlanner
+from libs.backends.vllm.shared_pool import SlotDescriptor, slot_of
+from libs.contract.epd.v1 import chat_pb2
+from libs.contract.errors import error_for
 from libs.contract.reasons import Reason, reason_if_gone
-from libs.serving.transport import MetadataResolver
-from libs.telemetry.stages import count_transfer
-from libs.transfer import PeerUnavailable
+from libs.serving.embeddings import FetchedItems, fetch_encoded
+from libs.serving.identity import model_identity
+from libs.serving.transport import Transport, transfer_config
+from libs.transfer import TransferConfig
 
 
-class EncoderAgents:
-    """The encoders' NIXL agent metadata for vLLM's worker, resolved (GetServiceInfo + model check)
-    once per encoder incarnation."""
+def reads_config(settings: EngineSettings, role: str) -> TransferConfig:
+    """The service's transport settings (`--pool-mib`, `--ucx-*`, `--checksum`), its pool shared
+    with vLLM's worker, which copies each item from there."""
+    return dataclasses.replace(transfer_config(settings, role), shared_pool=True, huge_pages=False)
 
-    def __init__(self, model: service_info_pb2.ModelIdentity) -> None:
-        self._resolver = MetadataResolver(model)
-        self._metadata: dict[tuple[str, str, str], Any] = {}  # (address, agent, incarnation) -> resolved
 
-    def __call__(self, ref: tensor_pb2.NixlAgentRef) -> Any:
-        key = (ref.producer_address, ref.agent_name, ref.instance_id)
-        if key not in self._metadata:
-            try:
-                self._metadata[key] = self._resolver(ref)
-            except PeerUnavailable as exc:
-                raise Unavailable(f"encoder {ref.producer_address}: {exc}", reason=Reason.EMBEDDING_GONE) from None
-        return self._metadata[key]
+def embedding_reads(settings: EngineSettings, role: str, weights_digest: str) -> Transport:
+    """The service's consumer of the encoders' embeddings. A read waiting on a slow encoder holds
+    one transfer thread until its request's deadline: enough threads that a few such reads leave
+    the others theirs (a waiting thread sleeps between polls)."""
+    identity = model_identity(settings, weights_digest)
+    return Transport(reads_config(settings, role), identity, produce=False, consume=True, threads=8)
 
-    def close(self) -> None:
-        self._resolver.close()
+
+async def read_items(
+    reads: Transport,
+    planner: RequestPlanner,
+    request_id: str,
+    messages: Sequence[chat_pb2.ChatMessage],
+    uuids: Sequence[str],
+    deadline: float | None,
+) -> tuple[FetchedItems, dict[str, SlotDescriptor]]:
+    """Every item of the request read into the shared pool under its deadline (the transfer's typed
+    errors; the `embeddings.transfer` span and byte counter), and where each uuid's tensors lie.
+    The caller releases the items once vLLM is done with the request."""
+    specs = {spec.modality: spec for spec in planner.expected_specs()}
+    fetched = await fetch_encoded(reads, messages, specs, deadline)
+    try:
+        pool = reads.agent.pool
+        slots = {
+            uuid: slot_of(received, pool, key=uuid, request_id=request_id, item=index)
+            for index, (uuid, received) in enumerate(zip(uuids, fetched.received, strict=True))
+        }
+    except BaseException:
+        fetched.release()
+        raise
+    return fetched, slots
 
 
 def raise_load_failure(path: Path) -> None:
-    """The EC connector's report of embeddings it could not read, as the transfer's typed error."""
+    """The EC connector's report of items it could not copy into vLLM, as a typed error."""
     try:
         report = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -47,12 +70,5 @@ def raise_load_failure(path: Path) -> None:
     import grpc
 
     code = getattr(grpc.StatusCode, str(report.get("code", "UNAVAILABLE")), grpc.StatusCode.UNAVAILABLE)
-    message = f"embedding read failed in the vLLM worker: {report.get('message', '')}"
+    message = f"embeddings did not reach vLLM's encoder cache: {report.get('message', '')}"
     raise error_for(code, message, "items", reason=reason_if_gone(code, Reason.EMBEDDING_GONE))
-
-
-def count_embedding_bytes(items: dict[str, ItemDescriptor]) -> None:
-    """The embeddings vLLM's worker read for a request (EC connector, over NIXL), in the same
-    byte counter as the reference engine's reads."""
-    if items:
-        count_transfer(sum(item.nbytes for item in items.values()), transport="nixl", direction="encoder->prefill")
