@@ -1,13 +1,13 @@
 """Prefill on vLLM (the P role of the E/P/D layout).
 
 A request is planned and its embeddings read into the service's shared pool as for PD (`pd.py`);
-vLLM computes the prompt's KV
-and samples the first token (`max_tokens` 1, `do_remote_decode`: its NixlConnector keeps the
-blocks for decode). The response carries the handoff as typed fields (`KvCache.paged`: engine id,
-request id, side channel, block ids; `DecodeState.engine_prompt`: the prompt as the engine took
-it), and the blocks are a lease of this service: read by decode's engine, released through
-`LeaseService` (`KvLeases`), or freed by vLLM at expiry. A request that ends at its first token
-(EOS, a stop sequence, `max_tokens` 1) hands nothing over and frees its blocks at once.
+vLLM computes the prompt's KV and samples the first token (`max_tokens` 1, `do_remote_decode`:
+its NixlConnector keeps the blocks for decode). The response carries the handoff as typed fields
+(`KvCache.paged`: engine id, request id, side channel, block ids; `DecodeState.engine_prompt`: the
+prompt as the engine took it), and the blocks are a lease of this service: read by decode's
+engine, released through `LeaseService` (`KvLeases`), or freed by vLLM at expiry. A request that
+ends at its first token (EOS, a stop sequence, `max_tokens` 1) hands nothing over and frees its
+blocks at once.
 """
 
 from __future__ import annotations
