@@ -10,7 +10,6 @@ Run last within this module: the engine-kill test (a restart costs ~1 min), then
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -262,9 +261,12 @@ def test_cancel_mid_stream_frees_the_sequence_and_the_leases(vllm_epd_stack: Sta
 
 def test_a_slow_embedding_read_holds_its_request_only(vllm_epd_stack: Stack, expected: dict[str, list[int]]) -> None:
     """The embeddings are read before vLLM sees the request: while one read waits on an encoder that
-    does not answer (SIGSTOPped; over TCP a READ needs the peer's progress), vLLM steps the other
-    sequences on; a request whose read outlives its deadline fails DEADLINE_EXCEEDED; the slow one,
-    once its encoder answers, gives the tokens of the same image read at once."""
+    does not answer (SIGSTOPped; over TCP a READ needs the peer's progress), a text request sent
+    after it is served whole; a request whose read outlives its deadline fails DEADLINE_EXCEEDED;
+    the slow one, once its encoder answers, gives the tokens of the same image read at once.
+
+    Driven by events only: the text request starts once the slow read is in flight and must end
+    while it still is, however fast or slow the host (no stream "long enough" to outlast a wait)."""
     pd = vllm_epd_stack.processes["pd"].address
     encoder = vllm_epd_stack.processes["encoder-0"]
     image = synthetic.png_bytes(84, 56, seed=9)
@@ -276,33 +278,25 @@ def test_a_slow_embedding_read_holds_its_request_only(vllm_epd_stack: Stack, exp
         while (await stats(pd)).pool.slots_in_use < count:  # PD's pool: the READs' slots
             await asyncio.sleep(0.01)
 
-    async def scenario() -> tuple[list[int], grpc.StatusCode]:
+    async def scenario() -> tuple[list[int], list[int], grpc.StatusCode]:
         async with open_channel(pd) as channel:
             stub = prefill_decode_pb2_grpc.PrefillDecodeServiceStub(channel)
-            text = TokenStream(stub.PrefillDecode(_pd_request(None, "Tell a long story.", LONG), timeout=300))
-            text_task = asyncio.create_task(text.run())
-            await asyncio.wait_for(text.first.wait(), 120)
             with frozen([psutil.Process(encoder.pid)], encoder.name) as thaw:
-                slow = TokenStream(stub.PrefillDecode(_pd_request(slow_item), timeout=120))
+                slow = TokenStream(stub.PrefillDecode(_pd_request(slow_item), timeout=300))
                 slow_task = asyncio.create_task(slow.run())
-                await until_in_flight(pd, 2)  # admitted,
+                await until_in_flight(pd, 1)  # admitted,
                 await asyncio.wait_for(reads_in_flight(1), 120)  # and reading (its slot taken)
-                seen = len(text.tokens)
-                async with asyncio.timeout(120):  # the text stream's steps go on meanwhile
-                    while len(text.tokens) < seen + 16:
-                        assert not slow_task.done(), "the slow request ended while its encoder was stopped"
-                        await asyncio.sleep(0.01)
+                # vLLM serves another request from start to end meanwhile.
+                text = await asyncio.wait_for(_prefill_decode(pd, _pd_request(None, "Tell a story.", 24)), 120)
+                assert not slow_task.done(), "the slow request ended while its encoder was stopped"
                 with pytest.raises(grpc.aio.AioRpcError) as late:  # its deadline ends its read
                     await TokenStream(stub.PrefillDecode(_pd_request(late_item), timeout=2)).run()
-                assert not slow_task.done() and not slow.tokens and not text_task.done()
+                assert not slow_task.done() and not slow.tokens
                 thaw()
-            tokens = await asyncio.wait_for(slow_task, 120)
-            text.call.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                await text_task
-            return tokens, late.value.code()
+            return await asyncio.wait_for(slow_task, 120), text, late.value.code()
 
-    tokens, late_code = run(scenario)
+    tokens, text, late_code = run(scenario)
+    assert len(text) == 24
     assert late_code == grpc.StatusCode.DEADLINE_EXCEEDED
     # Given back as the router would; or already acked: its READ, posted before the deadline, landed
     # once the encoder answered again. Either way no lease is left (_wait_empty).
