@@ -31,8 +31,10 @@ from tokenizers import Tokenizer
 from libs.client.openai import chat, completions, errors, responses, transcription
 from libs.client.openai.errors import ApiError
 from libs.client.openai.fields import parse
+from libs.contract.chunks import merge_responses
 from libs.contract.epd.v1 import generate_pb2, generation_pb2, media_pb2
 from libs.fetch import FetchClient, MediaFetchError
+from libs.rpc.coalesce import coalesced
 from services.openai_door.calls import Caller
 from services.openai_door.calls import responses as choice_responses
 
@@ -241,7 +243,10 @@ def create_app(
 
         try:
             with trace.use_span(span):
-                stream = choice_responses(render.caller, await _unless_disconnected(request, prepared()))
+                # A client that lags gets the tokens that queued up meanwhile as one event.
+                stream = coalesced(
+                    choice_responses(render.caller, await _unless_disconnected(request, prepared())), _same_choice
+                )
                 head = await _unless_disconnected(request, anext(stream, None))
         except BaseException as exc:
             span.end()
@@ -265,6 +270,7 @@ def create_app(
                     yield responses.sse(cast(ApiError, failed(exc)).body())
                     yield responses.DONE
                 finally:
+                    await stream.aclose()  # a client gone: its calls cancelled now, not when collected
                     if not finished:
                         span.add_event("client disconnected")
                         span.set_status(Status(StatusCode.ERROR, "client disconnected"))
@@ -382,6 +388,12 @@ def create_app(
         return JSONResponse(transcription.verbose(text, found, transcription.duration_s(parsed.audio)))
 
     return app
+
+
+def _same_choice(
+    earlier: tuple[int, generate_pb2.GenerateResponse], later: tuple[int, generate_pb2.GenerateResponse]
+) -> tuple[int, generate_pb2.GenerateResponse] | None:
+    return (earlier[0], merge_responses(earlier[1], later[1])) if earlier[0] == later[0] else None
 
 
 async def _prepend(head: T | None, rest: AsyncIterator[T]) -> AsyncIterator[T]:

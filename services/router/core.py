@@ -32,8 +32,10 @@ import grpc
 import structlog
 from opentelemetry import trace
 
+from libs.contract.chunks import merge_replies
 from libs.contract.epd.v1 import generate_pb2, generation_pb2
 from libs.contract.validation import Limits, validate_generate_request
+from libs.rpc.coalesce import coalesced
 from libs.telemetry.stages import ATTRIBUTION
 from services.router.backends import Backends, Stages
 from services.router.cache_lookup import CacheLookup
@@ -85,7 +87,8 @@ class Router:
         started_ns = getattr(root, "start_time", None) or time.time_ns()
         first_token = True
         try:
-            async with contextlib.aclosing(self._run(request, state, deadline)) as replies:
+            # A client (or the door) that lags gets what queued up as one message, not one per token.
+            async with contextlib.aclosing(coalesced(self._run(request, state, deadline), merge_replies)) as replies:
                 async for chunk, usage in replies:
                     if chunk.token_ids and first_token:
                         root.set_attribute("epd.ttft_s", (time.time_ns() - started_ns) / 1e9)

@@ -193,6 +193,33 @@ def test_client_cancel_releases_what_the_request_holds() -> None:
     assert h.leases.released == {"127.0.0.1:50061": {"kv-lease-1"}}
 
 
+def test_a_client_that_lags_gets_what_queued_up_as_one_message() -> None:
+    """One message per token while the client keeps up; decode's tokens that arrived while it did
+    not are relayed merged (their text, finish and usage with them), not one message each."""
+    kept_up = Harness()
+
+    async def one_by_one() -> list[list[int]]:
+        return [list(r.chunk.token_ids) async for r in kept_up.router.generate(image_request(1))]
+
+    assert asyncio.run(one_by_one()) == [[7], [8], [9], []]  # the last: the finish and usage
+
+    h = Harness()
+
+    async def lagging() -> list[generate_pb2.GenerateResponse]:
+        stream = h.router.generate(image_request(1))
+        got = [await anext(stream)]  # prefill's token, at once
+        for _ in range(1000):  # the client reads no more until decode's stream has ended
+            if h.decode.calls and h.decode.calls[0].ended:
+                break
+            await asyncio.sleep(0)
+        return got + [r async for r in stream]
+
+    first, rest = asyncio.run(lagging())
+    assert list(first.chunk.token_ids) == [7] and list(rest.chunk.token_ids) == [8, 9]
+    assert rest.chunk.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert rest.usage.completion_tokens == 3 and h.decode.calls[0].ended and not h.decode.calls[0].cancelled
+
+
 def test_client_gone_mid_decode_cancels_the_decode_call() -> None:
     h = Harness()
 

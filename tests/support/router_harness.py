@@ -97,8 +97,10 @@ class Prefill:
 
 
 class StreamCall:
-    """What a grpc.aio unary-stream call gives the router: its responses, and `cancel()`, which (as
-    in grpc) does nothing once the stream has ended."""
+    """What a grpc.aio unary-stream call gives the router: its responses, each after a turn of the
+    event loop (as each of grpc's is a read of its own: a reader that keeps up gets them one by
+    one; a read cancelled cancels the call), and `cancel()`, which (as in grpc) does nothing once
+    the stream has ended."""
 
     def __init__(self, responses: AsyncIterator[Any]) -> None:
         self._responses = responses
@@ -108,6 +110,11 @@ class StreamCall:
     async def __aiter__(self) -> AsyncIterator[Any]:
         try:
             async for response in self._responses:
+                try:
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError:
+                    self.cancel()  # as grpc.aio's: a read whose task is cancelled cancels the call
+                    raise
                 yield response
         finally:
             self.ended = not self.cancelled
