@@ -49,6 +49,12 @@ class EngineSettings(ModelServiceSettings):
     nixl_side_channel_port: int = setting(
         0, "vLLM: TCP port of the engine's NIXL side channel (KV handoffs); 0: a free port at every engine start"
     )
+    distributed_executor_backend: Literal["auto", "uni", "mp"] = setting(
+        "auto",
+        "vLLM: where the engine's worker runs: uni (inside EngineCore: one process, and no polling between "
+        "the two), mp (a Worker process of its own); auto: uni on CPU with --tensor-parallel-size 1 (vLLM's "
+        "CPU build would spawn a Worker), else vLLM's own choice",
+    )
     engine_busy_poll_s: float = setting(
         -1.0,
         "vLLM: seconds EngineCore and its Worker keep polling each other's queue after a message before they "

@@ -11,7 +11,12 @@ Configurations (same checkpoint, same requests: `bench serve --seed`):
   `libs.bench.vllm_proxy` (what vLLM's example EPD proxy does);
 - `vllm-e/p/d`: the same encoder, a prefill `vllm serve` (EC consumer, NixlConnector kv_producer)
   and a decode `vllm serve` (NixlConnector kv_consumer) behind the same proxy;
-- `vllm-unsplit`: one `vllm serve`.
+- `vllm-unsplit`: one `vllm serve`;
+- `vllm-e+pd-uni`: vLLM's E+PD given the engine-process setting EPD runs with on CPU (each
+  `vllm serve` with `--distributed-executor-backend uni` and `VLLM_ENABLE_V1_MULTIPROCESSING=0`: the
+  model inside EngineCore, no Worker process: docs/vllm.md, "One engine process"), to show what of
+  EPD's lead that setting alone explains. Not vLLM's documented deployment: the ratios stay against
+  `vllm-e+pd`.
 
 This module holds the pure parts (run schedule, bench serve's arguments, result parsing, ratio
 maths, table) and the process handling; tests/benchmarks/bench_vs_vllm.py drives it.
@@ -38,7 +43,9 @@ from libs.launch.stack import Stack, StackSpec
 
 CONFIGS = (
     "epd-e+pd", "epd-e+pd-vllmenc", "vllm-e+pd", "vllm-unsplit", "epd-e/p/d", "epd-e/p/d-vllmenc", "vllm-e/p/d",
+    "vllm-e+pd-uni",
 )  # fmt: skip
+ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
 PEERS = {
@@ -362,9 +369,14 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
     storage = run_dir / "ec-storage"
     storage.mkdir(parents=True, exist_ok=True)
     procs: list[ServiceProcess] = []
+    one_process = config.endswith(ONE_PROCESS)
+    deployment = config.removesuffix(ONE_PROCESS)  # what runs; `config` names it in the results
 
     def server(role: str, threads: int, extra: Sequence[str], env: dict[str, str] | None = None) -> str:
         port = free_port()
+        if one_process:
+            extra = [*extra, "--distributed-executor-backend", "uni"]
+            env = {**(env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         proc = ServiceProcess(role, "libs.bench.vllm_cli", serve_args(model, name, port, engine, extra),
                               run_dir / f"{role}.log",
                               env={**VLLM_ENV, "OMP_NUM_THREADS": str(threads), **(env or {})})  # fmt: skip
@@ -373,7 +385,7 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
         return f"http://127.0.0.1:{port}"
 
     try:
-        if config == UNSPLIT:
+        if deployment == UNSPLIT:
             url = server("unsplit", 2, [])
             wait_http(url + "/v1/models", procs, ready_timeout_s)
             yield Deployment(config, url, name, procs)
@@ -381,7 +393,7 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
         encoder = server("encoder", 1, ["--mm-encoder-only", "--no-enable-prefix-caching",
                                         "--ec-transfer-config", ec_config("ec_producer", storage)])  # fmt: skip
         prefill = ""
-        if config == "vllm-e+pd":
+        if deployment == "vllm-e+pd":
             decode = server("pd", 1, ["--ec-transfer-config", ec_config("ec_consumer", storage)])
         else:
             prefill = server("prefill", 1,

@@ -53,7 +53,9 @@ def test_the_defaults_are_todays_cpu_values() -> None:
         "UCX_NET_DEVICES": "lo",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # else vLLM's CPU platform turns "uni" into "mp"
     }
+    assert args["distributed_executor_backend"] == "uni"  # the worker inside EngineCore
 
 
 def test_gpu_settings_reach_the_engine_arguments_and_environment() -> None:
@@ -65,6 +67,7 @@ def test_gpu_settings_reach_the_engine_arguments_and_environment() -> None:
     assert args["kv_transfer_config"]["kv_buffer_device"] == "cuda"
     assert args["max_num_batched_tokens"] == 8192
     assert set(args["ec_transfer_config"]["ec_connector_extra_config"]) == {"failure_dir"}  # no NIXL in the worker
+    assert "distributed_executor_backend" not in args  # two devices: vLLM's own choice
     # No CPU thread binding on a GPU; the host is the service's --host; the side channel is fixed.
     kv = runtime.KvTransfer("kv_consumer", "epd-decode-abc", runtime.side_channel_port(settings))
     assert runtime.engine_environment(settings, kv) == {
@@ -126,6 +129,24 @@ def test_the_engine_busy_poll_window_reaches_the_engine_processes_when_set() -> 
     assert engine_polling.ENV not in runtime.engine_environment(_settings([]), KV)  # vLLM's own window
     env = runtime.engine_environment(_settings(["--engine-busy-poll-s", "0"]), KV)
     assert env[engine_polling.ENV] == "0.0"
+
+
+@pytest.mark.parametrize(
+    ("argv", "backend"),
+    [
+        ([], "uni"),
+        (["--distributed-executor-backend", "mp"], "mp"),
+        (["--tensor-parallel-size", "2"], None),
+        (["--device", "cuda"], None),
+        (["--device", "cuda", "--distributed-executor-backend", "uni"], "uni"),
+    ],
+)
+def test_the_worker_runs_inside_enginecore_on_one_cpu_engine_unless_told(argv: list[str], backend: str | None) -> None:
+    settings = _settings(argv)
+    assert _args(settings).get("distributed_executor_backend") == backend
+    # The variable only where vLLM's CPU platform would otherwise spawn a Worker anyway.
+    cpu_uni = backend == "uni" and settings.device == "cpu"
+    assert ("VLLM_ENABLE_V1_MULTIPROCESSING" in runtime.engine_environment(settings, KV)) == cpu_uni
 
 
 def test_a_wildcard_host_is_fine_for_the_reference_engine() -> None:

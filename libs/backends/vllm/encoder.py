@@ -67,7 +67,7 @@ from libs.transfer.stamp import STAMP_BYTES
 _log = structlog.get_logger(__name__)
 # How long a slot whose vLLM request did not finish cleanly stays out of the pool: the worker may
 # still write it in the step it was running (seconds; a step of the tiny towers takes well under 1).
-_QUARANTINE_S = 30.0
+QUARANTINE_S = 30.0
 
 
 # One item's prompt per modality: vLLM expands the placeholder to the item's rows from the media.
@@ -316,7 +316,7 @@ class VllmEncoder(EncoderBackend):
             return  # published: the lease (released above) gave it back
         pool.quarantine(reservation.slot)
         loop = asyncio.get_running_loop()
-        loop.call_later(_QUARANTINE_S, pool.release_quarantined, reservation.slot)
+        loop.call_later(QUARANTINE_S, pool.release_quarantined, reservation.slot)
 
     async def close(self) -> None:
         await self.supervisor.close()

@@ -72,7 +72,10 @@ def engine_environment(settings: EngineSettings, kv: KvTransfer | None = None) -
       count, the engines of one host share the cores through the OS scheduler (measured:
       docs/results/vllm.md, the decode cost);
     - how long EngineCore and Worker poll each other before they sleep (`--engine-busy-poll-s`,
-      `engine_polling.py`)."""
+      `engine_polling.py`);
+    - the worker inside EngineCore (`executor_backend`): vLLM's CPU platform turns "uni" into "mp"
+      unless `VLLM_ENABLE_V1_MULTIPROCESSING` is 0 (read where the engine's config is built: this
+      process). AsyncLLM still runs EngineCore in a process of its own."""
     host = engine_host(settings)
     env = {"VLLM_HOST_IP": host, "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "UCX_NET_DEVICES": settings.ucx_net_devices}
     if settings.ucx_tls:
@@ -83,7 +86,23 @@ def engine_environment(settings: EngineSettings, kv: KvTransfer | None = None) -
         env[engine_polling.ENV] = str(settings.engine_busy_poll_s)
     if settings.device == "cpu":
         env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(max(1, settings.torch_threads))}
+        if executor_backend(settings) == "uni":
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
+
+
+def executor_backend(settings: EngineSettings) -> str | None:
+    """vLLM's `distributed_executor_backend` for the engine (None: vLLM's choice). On CPU vLLM
+    spawns a Worker beside EngineCore, and the two poll each other's shared-memory queue at every
+    step (`engine_polling.py`); on a small host the pollers take the cores the forward needs. With
+    one device the worker can live inside EngineCore instead, as vLLM runs one GPU: measured, E+PD
+    on vLLM at c=16 under `vllm bench serve`, the engine's CPU per request fell from 52 to 16 ms
+    (docs/vllm.md, "One engine process")."""
+    if settings.distributed_executor_backend != "auto":
+        return settings.distributed_executor_backend
+    if settings.device == "cpu" and settings.tensor_parallel_size == 1:
+        return "uni"
+    return None
 
 
 @dataclass(frozen=True)
@@ -155,6 +174,8 @@ def engine_args(
         # land in prometheus_client's registry, which the service's /metrics serves (docs/tracing.md).
         disable_log_stats=False,
     )
+    if (backend := executor_backend(settings)) is not None:
+        args["distributed_executor_backend"] = backend
     if settings.max_num_batched_tokens > 0:
         args["max_num_batched_tokens"] = settings.max_num_batched_tokens
     if settings.gpu_memory_utilization > 0:
@@ -208,7 +229,8 @@ def build_engine(
     kv: KvTransfer | None = None,
     ec_producer: bool = False,
 ) -> Any:
-    """A started `AsyncLLM` (blocking: spawns EngineCore and Worker, loads weights)."""
+    """A started `AsyncLLM` (blocking: spawns EngineCore, and a Worker unless the worker runs
+    inside it, `executor_backend`; loads weights)."""
     process_environment()
     # Read by the spawned processes (the worker reads its own copy of the environment too).
     os.environ.update(engine_environment(settings, kv))

@@ -1,6 +1,7 @@
 """The service owns its vLLM engine's life: a bounded start, a watchdog, bounded restarts.
 
-vLLM's `AsyncLLM` runs the model in spawned processes (EngineCore, Worker). They can fail three
+vLLM's `AsyncLLM` runs the model in spawned processes (EngineCore, and a Worker unless the worker
+runs inside EngineCore: `runtime.executor_backend`). They can fail three
 ways, and the supervisor treats each as a failure of the engine:
 
 - **start**: the engine is not up within `engine_start_timeout_s` (or its start raises). Its
@@ -122,7 +123,7 @@ class Engine:
     def __init__(self, llm: Any, number: int, pids: tuple[int, ...], clock: Callable[[], float]) -> None:
         self.llm = llm
         self.number = number
-        self.pids = pids  # EngineCore, Worker (what is killed when it hangs)
+        self.pids = pids  # EngineCore (and its Worker): what is killed when it hangs
         self._clock = clock
         self.last_progress = clock()  # an output or a probe answer (monotonic)
         self.busy = False  # work was queued at the watchdog's last look
