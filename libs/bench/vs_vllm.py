@@ -12,11 +12,12 @@ Configurations (same checkpoint, same requests: `bench serve --seed`):
 - `vllm-e/p/d`: the same encoder, a prefill `vllm serve` (EC consumer, NixlConnector kv_producer)
   and a decode `vllm serve` (NixlConnector kv_consumer) behind the same proxy;
 - `vllm-unsplit`: one `vllm serve`;
-- `vllm-e+pd-uni`: vLLM's E+PD given the engine-process setting EPD runs with on CPU (each
-  `vllm serve` with `--distributed-executor-backend uni` and `VLLM_ENABLE_V1_MULTIPROCESSING=0`: the
-  model inside EngineCore, no Worker process: docs/vllm.md, "One engine process"), to show what of
-  EPD's lead that setting alone explains. Not vLLM's documented deployment: the ratios stay against
-  `vllm-e+pd`.
+- `vllm-e+pd-uni` (`vllm-e/p/d-uni`, `vllm-unsplit-uni`): vLLM's deployment given the
+  engine-process setting EPD runs with on CPU (each `vllm serve` with
+  `--distributed-executor-backend uni` and `VLLM_ENABLE_V1_MULTIPROCESSING=0`: the model inside
+  EngineCore, no Worker process: docs/vllm.md, "One engine process"), to show what of EPD's lead
+  that setting alone explains. Not vLLM's documented deployment: the ratios stay against
+  `vllm-e+pd` / `vllm-e/p/d`.
 
 This module holds the pure parts (run schedule, bench serve's arguments, result parsing, ratio
 maths, table) and the process handling; tests/benchmarks/bench_vs_vllm.py drives it.
@@ -43,7 +44,7 @@ from libs.launch.stack import Stack, StackSpec
 
 CONFIGS = (
     "epd-e+pd", "epd-e+pd-vllmenc", "vllm-e+pd", "vllm-unsplit", "epd-e/p/d", "epd-e/p/d-vllmenc", "vllm-e/p/d",
-    "vllm-e+pd-uni",
+    "vllm-e+pd-uni", "vllm-e/p/d-uni", "vllm-unsplit-uni",
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too

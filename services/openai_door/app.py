@@ -81,6 +81,28 @@ class Metrics:
         )
 
 
+class _CountRequests:
+    """Requests by route and status, counted as the answer starts. A plain ASGI middleware:
+    starlette's `@app.middleware("http")` relays a streamed body through a queue and a task of its
+    own, event by event (profiled: 13 % of the door's samples at 16 concurrent streams)."""
+
+    def __init__(self, app: Any, counter: Counter) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.counter.labels(scope["path"], str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -120,11 +142,7 @@ def create_app(
         _log.error("unexpected error", path=request.url.path, exc_info=exc)
         return _error_response(ApiError(500, "internal error", code="internal_error"))
 
-    @app.middleware("http")
-    async def count(request: fastapi.Request, call_next: Callable[[fastapi.Request], Awaitable[Response]]) -> Response:
-        response = await call_next(request)
-        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_CountRequests, counter=metrics.requests)
 
     def authorize(request: fastapi.Request) -> str | None:
         """The caller's bearer token (passed on to the router); 401 when tokens are configured and
