@@ -177,8 +177,9 @@ class Results:
         return [float(m.get(key, math.nan)) for m in self.runs.get(config, {}).get(dataset, {}).get(concurrency, [])]
 
     def summary(self) -> dict[str, Any]:
-        """Per point: each configuration's median/range of every metric, and each EPD/peer and
-        config/unsplit ratio's median/range."""
+        """Per point: each configuration's median/range of every metric, and each EPD/peer (vLLM's
+        deployment, and the same with one engine process where that ran) and config/unsplit
+        ratio's median/range."""
         out: dict[str, Any] = {}
         for config, by_dataset in self.runs.items():
             for dataset, by_conc in by_dataset.items():
@@ -187,8 +188,10 @@ class Results:
                     point["configs"][config] = {
                         key: median_range(self.values(config, dataset, conc, key)) for key, _, _ in METRICS
                     }
+                    peer = PEERS.get(config)
                     for target, name in (
-                        (PEERS.get(config), "vs_peer"),
+                        (peer, "vs_peer"),
+                        (peer + ONE_PROCESS if peer else None, "vs_peer"),  # where it ran too
                         (UNSPLIT if config != UNSPLIT else None, "vs_unsplit"),
                     ):
                         if target is None or target not in self.runs:

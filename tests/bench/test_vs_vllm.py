@@ -126,6 +126,12 @@ def test_metrics_and_summary_from_result_files() -> None:
     text = vs_vllm.table(results.summary())
     assert "| 1img@c4 | epd-e+pd/vllm-e+pd | 1.00 (0.50-1.50) |" in text
     assert "**2.00**" in text  # throughput ratio 2.0 in every repeat: a win, shown bold
+    assert "epd-e+pd/vllm-e+pd-uni" not in text  # not run: no ratio
+
+    for _ in range(3):  # vLLM's deployment with one engine process too: EPD's ratio against it as well
+        results.add("vllm-e+pd-uni", point, vs_vllm.metrics_of(result(10, 100)))
+    tuned = results.summary()["1img@c4"]["vs_peer"]["epd-e+pd/vllm-e+pd-uni"]
+    assert tuned["median_ttft_ms"]["median"] == 2.0 and tuned["output_throughput"]["median"] == 1.0
 
 
 @pytest.mark.unit

@@ -49,6 +49,12 @@ def main() -> None:
         "--out", default="", help="path prefix for .json/.png/.table.md (e.g. docs/results/bench-vs-vllm)"
     )
     parser.add_argument(
+        "--from-json",
+        default="",
+        help="re-read the points of an earlier --out's JSON instead of measuring: its table and files again "
+        "(with this version's ratios)",
+    )
+    parser.add_argument(
         "--from-runs",
         default="",
         help="re-read bench serve's result files under this run folder "
@@ -73,6 +79,18 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     notes: dict[str, str] = {}
     started = time.time()
+    if ns.from_json:
+        earlier = json.loads((ROOT / ns.from_json).read_text())
+        for key, value in earlier.get("args", {}).items():  # how it was measured, kept
+            if key not in ("out", "from_json", "from_runs"):
+                setattr(ns, key, value)
+        for config, by_dataset in earlier["points"].items():
+            for dataset, by_conc in by_dataset.items():
+                for conc, repeats in by_conc.items():
+                    for measured in repeats:
+                        results.add(config, vs_vllm.Point(dataset, int(conc), 0, 0), measured)
+        print(write(ns, model, engine, results, earlier.get("runs", []), earlier.get("notes", {}), final=True))
+        return
     if ns.from_runs:
         reread(Path(ns.from_runs), pts, results)
         # The measuring run's own records (starts, PIDs, load) stay when its JSON is the output.
