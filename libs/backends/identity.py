@@ -14,14 +14,15 @@ CAPABILITY_PREFIX = "engine."
 # Contract 1.3: prefill fills `KvCache.paged` (the KV stays in its engine's blocks) and decode reads
 # it; advertised by both vLLM services.
 PAGED_KV = "kv.paged_blocks"
-# Checkpoint families (config.json's model_type) an engine must not serve, and why: refused when
-# the service starts (libs/backends/vllm) and by `epd up`'s checks (libs/launch), naming the pair.
-REFUSED: dict[tuple[str, str], str] = {
+# Checkpoint families (config.json's model_type) an engine serves only in some layouts, and why
+# not in the others: refused when the service starts (libs/backends/vllm) and by `epd up`'s
+# checks (libs/launch), naming the pair.
+LAYOUTS_ONLY: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("vllm", "whisper"): (
-        "vLLM returns empty transcripts for the converted Whisper checkpoint (issue 25): vLLM 0.32 prompts "
-        "every Whisper model with language and task tokens (<|en|><|transcribe|>), which the English-only "
-        "tiny.en was not trained with and answers with end-of-text at once; serve Whisper on the reference "
-        "engine (--engine reference)"
+        ("e+pd",),
+        "vLLM 0.32 takes no KV connector for encoder-decoder models (its scheduler asserts it), so Whisper's "
+        "prefill and decode cannot be split on vLLM; serve it in the e+pd layout (a vLLM PD service) or on "
+        "the reference engine",
     ),
 }
 
@@ -30,6 +31,8 @@ REFUSED: dict[tuple[str, str], str] = {
 # and those it cannot, with why: refused at the encoder's start-up and by `epd up`'s checks.
 VLLM_ENCODER_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 VLLM_ENCODER_REFUSED = {
+    "whisper": "vLLM 0.32 runs Whisper's tower only inside its encoder-decoder model (no encoder-only mode); "
+    "run Whisper's encoder on the reference engine",
     "qwen2_5_omni": "vLLM 0.32's CPU worker crashes running the tiny Qwen2.5-Omni towers (/work/shared/vllm.md); "
     "run its encoders on the reference engine",
 }
@@ -41,8 +44,6 @@ def encoder_refusal(model: Path) -> str | None:
     family = model_type(model)
     if not family:
         return None
-    if (why := refusal("vllm", family)) is not None:
-        return why
     if family in VLLM_ENCODER_REFUSED:
         return f"a vLLM encoder for a {family} checkpoint is refused: {VLLM_ENCODER_REFUSED[family]}"
     if family not in VLLM_ENCODER_FAMILIES:
@@ -60,10 +61,12 @@ def model_type(model: Path) -> str:
     return str(config.get("model_type", "")) if isinstance(config, dict) else ""
 
 
-def refusal(engine: str, family: str) -> str | None:
-    """Why `engine` must not serve a checkpoint of `family` (model_type), or None."""
-    why = REFUSED.get((engine, family))
-    return None if why is None else f"--engine {engine} with a {family} checkpoint is refused: {why}"
+def refusal(engine: str, family: str, layout: str) -> str | None:
+    """Why `engine` must not serve a checkpoint of `family` (model_type) in `layout`, or None."""
+    rule = LAYOUTS_ONLY.get((engine, family))
+    if rule is None or layout in rule[0]:
+        return None
+    return f"--engine {engine} with a {family} checkpoint is refused in the {layout} layout: {rule[1]}"
 
 
 def capability(engine: str) -> str:

@@ -138,7 +138,7 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
     if encoder_engine == "vllm" and layout == "colocated":
         raise SystemExit("epd: --encoder-engine vllm runs in the e+pd or e/p/d layout, not colocated")
     model = ensure_model(ns.model or DEFAULT_MODEL)
-    if (why := refusal(engine, model_type(model))) is not None:
+    if (why := refusal(engine, model_type(model), layout)) is not None:
         raise SystemExit(f"epd: {why}")
     if encoder_engine == "vllm" and (why := encoder_refusal(model)) is not None:
         raise SystemExit(f"epd: {why}")

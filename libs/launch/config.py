@@ -179,7 +179,7 @@ def _semantic_problems(doc: Mapping[str, Any]) -> list[str]:
     if doc.get("engine") == "vllm" and layout == "colocated":
         problems.append("engine: vllm serves the PD service (e+pd) or prefill and decode (e/p/d); layout is colocated")
     path = doc.get("model", {}).get("path")
-    if path and (why := refusal(str(doc.get("engine", "reference")), model_type(Path(path)))) is not None:
+    if path and (why := refusal(str(doc.get("engine", "reference")), model_type(Path(path)), layout)) is not None:
         problems.append(f"engine: {why} (model.path {path})")
     if doc.get("encoder_engine") == "vllm":
         if layout == "colocated":

@@ -105,7 +105,7 @@ class Stack:
             raise ValueError(why)
         if spec.engine == "vllm" and spec.layout == "colocated":
             raise ValueError("the vLLM engine serves PD (E+PD) or prefill and decode (E/P/D), not the colocated layout")
-        if (why := refusal(spec.engine, model_type(spec.model))) is not None:
+        if (why := refusal(spec.engine, model_type(spec.model), spec.layout)) is not None:
             raise ValueError(why)
         self.spec = spec
         self.processes: dict[str, ServiceProcess] = {}

@@ -14,8 +14,8 @@ from libs.runtime.sequence import Sequence
 from libs.runtime.types import ChatMessage, DecodeState, EncodedItem, EncodedPart, PrefillResult, SamplingParams
 
 
-def encoder_states(runtime: LanguageModelRuntime, messages: list[ChatMessage]) -> EncodedItem:
-    """The conversation's one item of encoder states; text parts are refused (no text prompt)."""
+def speech_item(family: str, messages: list[ChatMessage]) -> tuple[str, EncodedItem]:
+    """The conversation's one item and its field path; text parts are refused (no text prompt)."""
     if not messages:
         raise InvalidRequestError("at least one message is required", field="messages")
     items: list[tuple[str, EncodedItem]] = []
@@ -26,12 +26,15 @@ def encoder_states(runtime: LanguageModelRuntime, messages: list[ChatMessage]) -
                 part.item.layout.check()
                 items.append((field, part.item))
             elif part.text:
-                raise InvalidRequestError(f"{runtime.adapter.family} takes no text prompt", field=f"{field}.text")
+                raise InvalidRequestError(f"{family} takes no text prompt", field=f"{field}.text")
     if len(items) != 1:
-        raise InvalidRequestError(
-            f"{runtime.adapter.family} takes exactly one audio item, got {len(items)}", field="messages"
-        )
-    field, item = items[0]
+        raise InvalidRequestError(f"{family} takes exactly one audio item, got {len(items)}", field="messages")
+    return items[0]
+
+
+def encoder_states(runtime: LanguageModelRuntime, messages: list[ChatMessage]) -> EncodedItem:
+    """The conversation's one item of encoder states, checked against the model."""
+    field, item = speech_item(runtime.adapter.family, messages)
     rows, width = runtime.cross_tokens, runtime.adapter.hidden_size
     emb = item.tensors.get("embeddings")
     if item.layout.cross_attention_rows != rows or set(item.tensors) != {"embeddings"}:

@@ -377,22 +377,26 @@ def _whisper(tmp_path: Path) -> Path:
 
 
 @pytest.mark.unit
-def test_a_description_pairing_vllm_with_whisper_is_refused_naming_it(tmp_path: Path) -> None:
+def test_a_description_splitting_whisper_on_vllm_is_refused_naming_it(tmp_path: Path) -> None:
     model = _whisper(tmp_path)
     message = _error(_minimal(engine="vllm", model={"path": str(model)}))
-    assert "engine: --engine vllm with a whisper checkpoint is refused: vLLM returns empty transcripts" in message
+    refused = "engine: --engine vllm with a whisper checkpoint is refused in the e/p/d layout: vLLM 0.32 takes no KV"
+    assert refused in message
     assert f"(model.path {model})" in message
-    parse_description(_minimal(model={"path": str(model)}), Path("ok.yaml"))  # the reference engine serves it
+    parse_description(_minimal(model={"path": str(model)}), Path("ok.yaml"))  # the reference engine splits it
+    e_pd = {"router": {}, "encoder": {}, "pd": {}}
+    parse_description(_minimal(engine="vllm", layout="e+pd", roles=e_pd, model={"path": str(model)}), Path("ok.yaml"))
 
 
 @pytest.mark.unit
-def test_epd_up_flags_and_a_stack_refuse_vllm_with_whisper(tmp_path: Path) -> None:
+def test_epd_up_flags_and_a_stack_refuse_whisper_split_on_vllm(tmp_path: Path) -> None:
     from libs.cli.main import main
     from libs.launch.stack import Stack, StackSpec
 
     model = _whisper(tmp_path)
     with pytest.raises(SystemExit) as info:
         main(["up", "--engine", "vllm", "--layout", "e/p/d", "--model", str(model), "--run-dir", str(tmp_path)])
-    assert str(info.value).startswith("epd: --engine vllm with a whisper checkpoint is refused: vLLM returns empty")
-    with pytest.raises(ValueError, match="whisper checkpoint is refused"):
+    assert str(info.value).startswith("epd: --engine vllm with a whisper checkpoint is refused in the e/p/d layout")
+    with pytest.raises(ValueError, match="whisper checkpoint is refused in the e/p/d layout"):
         Stack(StackSpec(layout="e/p/d", encoders=1, model=model, run_dir=tmp_path, engine="vllm"))
+    Stack(StackSpec(layout="e+pd", encoders=1, model=model, run_dir=tmp_path, engine="vllm"))  # served there

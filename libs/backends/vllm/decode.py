@@ -288,7 +288,7 @@ class VllmDecode(DecodeBackend):
 
 async def start(settings: EngineSettings) -> VllmDecode:
     """Start vLLM's engine (30-50 s on 2 cores): a KV consumer."""
-    runtime.refuse_unsupported(settings.model)
+    runtime.refuse_unsupported(settings.model, "e/p/d")
     backend = VllmDecode(settings, RequestPlanner(settings.model, max_model_len=settings.max_model_len))
     await asyncio.to_thread(runtime.import_vllm, settings)  # before the start's clock runs (10-18 s)
     await start_or_exit(backend.supervisor, backend.close)

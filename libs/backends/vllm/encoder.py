@@ -326,7 +326,6 @@ class VllmEncoder(EncoderBackend):
 
 async def start(settings: EncoderBackendSettings) -> VllmEncoder:
     """Start vLLM encoder-only (30-50 s on 2 cores), writing into this service's shared pool."""
-    runtime.refuse_unsupported(settings.model)
     if (why := encoder_refusal(settings.model)) is not None:
         raise SystemExit(f"epd: {why}")
     torch.set_num_threads(settings.torch_threads)

@@ -27,13 +27,15 @@ from libs.backends.identity import capability
 from libs.backends.in_flight import InFlight
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
-from libs.backends.vllm.requests import RequestPlanner, failure_path
+from libs.backends.vllm.plugin import WHISPER_TIMESTAMPS_ARG
+from libs.backends.vllm.requests import RequestPlanner, failure_path, with_encoder_states
 from libs.backends.vllm.streams import embedding_reads, raise_load_failure, read_items
 from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or_exit
-from libs.contract.epd.v1 import generation_pb2, prefill_decode_pb2
+from libs.contract.epd.v1 import generation_pb2, prefill_decode_pb2, service_info_pb2
 from libs.contract.errors import EpdError
 from libs.runtime import types as eng
 from libs.serving import convert
+from libs.serving.speech import speech_capabilities, transcription_spec
 from libs.telemetry.stages import record_duration, stage, start_phase
 
 _log = structlog.get_logger(__name__)
@@ -53,8 +55,10 @@ class VllmPrefillDecode(PrefillDecodeBackend):
         self.transport = self.reads
         self._failure_dir = failure_dir
         self._default_max_tokens = 256  # as the reference runtime
+        # Whisper's encoder states go into the request (whisper_model.py), not through the EC connector.
+        speech = planner.adapter.is_encoder_decoder
         self.supervisor = EngineSupervisor(
-            lambda: runtime.build_engine(settings, failure_dir=failure_dir, ec_consumer=True),
+            lambda: runtime.build_engine(settings, failure_dir=failure_dir, ec_consumer=not speech),
             EngineLife.of(settings),
             queued=lambda: self._active,
         )
@@ -68,7 +72,11 @@ class VllmPrefillDecode(PrefillDecodeBackend):
         return self.planner.expected_specs()
 
     def capabilities(self) -> tuple[str, ...]:
-        return (capability(self.name),)
+        return (capability(self.name), *speech_capabilities(self.planner.adapter))
+
+    def extend_info(self, info: service_info_pb2.ServiceInfo) -> None:
+        if (spec := transcription_spec(self.planner.adapter)) is not None:
+            info.transcription.CopyFrom(spec)
 
     @property
     def active(self) -> int:
@@ -113,10 +121,18 @@ class VllmPrefillDecode(PrefillDecodeBackend):
             items, slots = await read_items(
                 self.reads, self.planner, request_id, request.messages, planned.uuids, deadline
             )
-            params = runtime.sampling_params(sampling, self._default_max_tokens, slots)
+            prompt = planned.prompt
+            if planned.speech:
+                # vLLM keeps its own copy of the states (they travel to EngineCore): the slot goes back now.
+                prompt = with_encoder_states(planned, items.items[0].tensors["embeddings"].clone())
+                items.release()
+                items, slots = None, {}
+            default_max_tokens = planned.max_tokens or self._default_max_tokens
+            extra = {WHISPER_TIMESTAMPS_ARG: sampling.timestamps} if planned.speech else None
+            params = runtime.sampling_params(sampling, default_max_tokens, slots, extra_args=extra)
             engine = self.supervisor.engine()
             llm = engine.llm
-            stream = llm.generate(planned.prompt, params, request_id, priority=runtime.engine_priority(priority))
+            stream = llm.generate(prompt, params, request_id, priority=runtime.engine_priority(priority))
             with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as prefill_span:
                 first = await engine.next(stream, deadline)
                 prefill_span.set_attribute("epd.prompt_tokens", len(first.prompt_token_ids or ()))
@@ -158,7 +174,7 @@ class VllmPrefillDecode(PrefillDecodeBackend):
 
 async def start(settings: EngineSettings) -> VllmPrefillDecode:
     """Start vLLM's engine (30-50 s on 2 cores): a consumer of the encoders' embeddings."""
-    runtime.refuse_unsupported(settings.model)
+    runtime.refuse_unsupported(settings.model, "e+pd")
     planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
     failure_dir = Path(tempfile.mkdtemp(prefix="epd-vllm-failures-"))
     backend = VllmPrefillDecode(settings, planner, failure_dir)

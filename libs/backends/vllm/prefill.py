@@ -269,7 +269,7 @@ class VllmPrefill(PrefillBackend):
 
 async def start(settings: EngineSettings) -> VllmPrefill:
     """Start vLLM's engine (30-50 s on 2 cores): a KV producer, consumer of the encoders' embeddings."""
-    runtime.refuse_unsupported(settings.model)
+    runtime.refuse_unsupported(settings.model, "e/p/d")
     planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
     backend = VllmPrefill(settings, planner, Path(tempfile.mkdtemp(prefix="epd-vllm-failures-")))
     await asyncio.to_thread(runtime.import_vllm, settings)  # before the start's clock runs (10-18 s)

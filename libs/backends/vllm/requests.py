@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from libs.backends.identity import model_type, refusal
 from libs.backends.vllm.video_decisions import (
     SECONDS_PER_GRID_FAMILIES,
     vllm_keeps_outer_video_markers,
@@ -34,6 +33,8 @@ from libs.contract.epd.v1 import chat_pb2, tensor_pb2
 from libs.contract.errors import InvalidArgument
 from libs.runtime import types as eng
 from libs.runtime.checkpoint import Checkpoint
+from libs.runtime.encoder_decoder import speech_item
+from libs.runtime.errors import EmbeddingMismatchError
 from libs.runtime.families import adapter_for
 from libs.runtime.prompt import build_prompt, prompt_ids
 from libs.serving import convert
@@ -47,9 +48,23 @@ def failure_path(directory: Path, request_id: str) -> Path:
 
 @dataclass
 class PlannedRequest:
-    prompt: dict[str, Any]  # vLLM's prompt dict
+    prompt: dict[str, Any]  # vLLM's prompt dict (encoder-decoder: the decoder's, see `with_encoder_states`)
     uuids: list[str]  # each item's `multi_modal_uuids` entry, in the request's item order
     prompt_tokens: int  # after placeholder expansion
+    speech: bool = False  # encoder-decoder (Whisper): the item's encoder states go into the request
+    max_tokens: int = 0  # the cap of a request that gives none (0: the service's default)
+
+
+def with_encoder_states(planned: PlannedRequest, states: torch.Tensor) -> dict[str, Any]:
+    """An encoder-decoder request as vLLM takes it: the window's encoder states as the audio item
+    (the project's Whisper model takes them as they are, whisper_model.py), the decoder prompt.
+    The encoder prompt is a placeholder vLLM expands to the states' rows."""
+    encoder = {
+        "prompt_token_ids": [0],
+        "multi_modal_data": {"audio": [states]},
+        "multi_modal_uuids": {"audio": planned.uuids},  # (vLLM would hash the states otherwise)
+    }
+    return {"encoder_prompt": encoder, "decoder_prompt": planned.prompt}
 
 
 class RequestPlanner:
@@ -59,8 +74,6 @@ class RequestPlanner:
     def __init__(self, model: Path, *, dtype: str = "float32", max_model_len: int = 4096) -> None:
         from transformers import AutoTokenizer
 
-        if (why := refusal("vllm", model_type(model))) is not None:
-            raise ValueError(why)
         self.checkpoint = Checkpoint(model)
         self.adapter = adapter_for(self.checkpoint)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(str(model))
@@ -106,6 +119,8 @@ class RequestPlanner:
         layouts = [convert.item_layout_to_engine(p.encoded.layout) for p in parts]
         items = [eng.EncodedItem(layout, {}) for layout in layouts]
         engine_messages = convert.messages_to_engine(messages, items)
+        if self.adapter.is_encoder_decoder:
+            return self._plan_speech(parts, engine_messages, sampling)
         with convert.engine_errors():
             expanded = build_prompt(self.tokenizer, self.adapter, engine_messages)  # the reference's rules
         budget = len(expanded.input_ids) + (sampling.max_tokens or 0)
@@ -150,6 +165,36 @@ class RequestPlanner:
             prompt["multi_modal_data"] = {kind: _tensors(fields) for kind, fields in data.items()}
             prompt["multi_modal_uuids"] = uuids
         return PlannedRequest(prompt, ordered, len(expanded.input_ids))
+
+    def _plan_speech(
+        self,
+        parts: Sequence[chat_pb2.ContentPart],
+        messages: list[eng.ChatMessage],
+        sampling: eng.SamplingParams,
+    ) -> PlannedRequest:
+        """Whisper, checked as the reference runtime checks it (libs/runtime/encoder_decoder.py):
+        one item of encoder states, no text; the decoder prompt generate() starts from."""
+        rows = self.adapter.cross_attention_tokens
+        with convert.engine_errors():
+            field, item = speech_item(self.family, messages)
+            if item.layout.cross_attention_rows != rows:
+                raise EmbeddingMismatchError(
+                    f"layout has {item.layout.cross_attention_rows} cross-attention rows; this model takes "
+                    f"{rows} rows of encoder states",
+                    field=f"{field}.encoded.layout",
+                )
+            ids = self.adapter.decoder_prompt(sampling)
+        (spec,) = self.expected_specs()
+        (part,) = parts
+        _check_handle(part.encoded.embeddings, spec, rows, f"{field}.encoded.embeddings")
+        room = min(self.adapter.max_positions or self.max_model_len, self.max_model_len) - len(ids)
+        if sampling.max_tokens > room:
+            raise InvalidArgument(
+                "sampling.max_tokens",
+                f"max_tokens {sampling.max_tokens} exceeds the {room} positions left after a {len(ids)}-token prompt",
+            )
+        uuid = f"{item.layout.mm_hash}-{part.encoded.embeddings.lease_id}"
+        return PlannedRequest({"prompt_token_ids": ids}, [uuid], len(ids), speech=True, max_tokens=room)
 
     def plan_decode(self, token_ids: Sequence[int], layouts: Sequence[eng.ItemLayout], field: str) -> dict[str, Any]:
         """The prompt a decode engine rebuilds the sequence from, as prefill's engine took it: token

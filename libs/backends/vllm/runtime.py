@@ -25,12 +25,14 @@ from typing import Any, Literal
 from libs.backends.identity import model_type, refusal
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import engine_polling
+from libs.backends.vllm.plugin import WHISPER_ARCHITECTURE, WHISPER_LOGITS
 from libs.backends.vllm.shared_pool import SlotDescriptor
 from libs.backends.vllm.video_decisions import accept_second_per_grid_ts
 from libs.contract.epd.v1 import generation_pb2
 from libs.contract.errors import EpdError, InvalidArgument, Unavailable
 from libs.contract.reasons import Reason
 from libs.runtime import types as eng
+from libs.runtime.checkpoint import Checkpoint
 from libs.serving.convert import chunk_to_wire
 from libs.serving.settings import ChunkedPrefillSettings
 
@@ -115,10 +117,10 @@ class KvTransfer:
     side_channel_port: int  # where the engine serves its NIXL agent metadata
 
 
-def refuse_unsupported(model: Path) -> None:
-    """A checkpoint this engine must not serve ends the service at start-up, naming the pairing
-    (before vLLM is imported or anything loaded)."""
-    if (why := refusal("vllm", model_type(model))) is not None:
+def refuse_unsupported(model: Path, layout: str) -> None:
+    """A checkpoint this engine must not serve in `layout` ends the service at start-up, naming the
+    pairing (before vLLM is imported or anything loaded)."""
+    if (why := refusal("vllm", model_type(model), layout)) is not None:
         raise SystemExit(f"epd: {why}")
 
 
@@ -187,6 +189,8 @@ def engine_args(
         # running or waiting, one prompt gets at most this many tokens of a step, so a short text
         # request is not held behind a whole multimodal prefill (a lone prompt still runs whole).
         args["long_prefill_token_threshold"] = min(settings.prefill_chunk_tokens, settings.max_model_len)
+    if model_type(settings.model) == "whisper":
+        args |= speech_engine_args(settings)
     if ec_consumer:
         args["ec_transfer_config"] = dict(
             ec_connector="EpdECConnector",
@@ -219,6 +223,19 @@ def engine_args(
         )
         args["worker_extension_cls"] = f"{KV_CONNECTOR_MODULE}.EpdKvWorkerExtension"
     return args
+
+
+def speech_engine_args(settings: EngineSettings) -> dict[str, Any]:
+    """Whisper (a PD service): the project's Whisper model, which takes the encoder states EPD's
+    encoder made as its audio item, and generate()'s logits processors (whisper_model.py,
+    registered by the project's vLLM plugin); the decoder's positions bound the model length."""
+    positions = int(Checkpoint(settings.model).config.get("max_target_positions", settings.max_model_len))
+    return dict(
+        hf_overrides={"architectures": [WHISPER_ARCHITECTURE]},
+        enable_mm_embeds=True,
+        logits_processors=[WHISPER_LOGITS],
+        max_model_len=min(settings.max_model_len, positions),
+    )
 
 
 def build_engine(
@@ -275,13 +292,14 @@ def sampling_params(
     seed: int | None = None,
     max_tokens: int | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
+    extra_args: dict[str, Any] | None = None,
 ) -> Any:
-    """The project's sampling as vLLM's, streaming deltas; the EC items and the KV handoff ride in
-    `extra_args`. `seed` and `max_tokens` override the request's (P/D split)."""
+    """The project's sampling as vLLM's, streaming deltas; the EC items, the KV handoff and
+    `extra_args` ride in `extra_args`. `seed` and `max_tokens` override the request's (P/D split)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(extra_args or {})
     if items:
         extra["ec_transfer_params"] = {"epd_items": {uuid: item.to_dict() for uuid, item in items.items()}}
     if kv_transfer_params is not None:
