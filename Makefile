@@ -65,11 +65,11 @@ test: deps models proto-check lint ## the whole suite (what CI runs); prints the
 test-fast: deps models ## unit + integration tests (the edit loop; target under 3 minutes)
 	$(PY) -m pytest -m "(unit or integration) and not bench"
 
-# make run ENGINE=vllm: the PD service on vLLM (E+PD layout; ~1 min more to start, ~1.5 GB more memory)
+# make run ENGINE=vllm: the PD service on vLLM (E+PD layout, the Whisper demo too; ~1 min more to start, ~1.5 GB more memory)
 ENGINE ?= reference
 run: deps models ## the main job: E/P/D stack (2 encoders, shared encoder cache) on loopback, sample requests, timings, clean stop
 	$(BIN)/epd demo --layout $(if $(filter vllm,$(ENGINE)),e+pd,e/p/d) --engine $(ENGINE) --encoders 2 --cache-store
-	$(BIN)/epd speech-demo
+	$(BIN)/epd speech-demo --engine $(ENGINE)
 
 MODEL_DIR := var/models/qwen2_5_omni-tiny
 WHISPER_DIR := var/models/whisper-tiny.en

