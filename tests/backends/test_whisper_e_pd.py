@@ -31,7 +31,7 @@ from tests.support.openai_door import running_door
 from tests.support.speech_corpus import UTTERANCES, utterance
 from tests.support.stacks import run_requests, wait_pools_empty
 from tests.support.vllm_unsplit import WHISPER_CLIPS
-from tests.support.whisper_staged import load_reference, reference_tokens
+from tests.support.whisper_staged import load_reference, reference_tokens, transcribe_and_check
 
 pytestmark = pytest.mark.slow
 
@@ -65,17 +65,8 @@ def whisper_e_pd(whisper_path: Path, tmp_path_factory: pytest.TempPathFactory, r
 def test_transcripts_equal_generate(whisper_path: Path, whisper_e_pd: Stack, vllm_unsplit: Any) -> None:
     """On vLLM, the one-window transcripts also equal vLLM's own unsplit run of the checkpoint (its
     feature extraction and tower, from generate()'s prompt: tests/support/vllm_unsplit.py)."""
-    clips = {name: utterance(*UTTERANCES[name]) for name in NAMES}
-    requests = [transcription_request(audio_item(clips[n], item_id=n), request_id=f"e-pd-{n}") for n in NAMES]
-    results = dict(zip(NAMES, run_requests(whisper_e_pd.address, requests, timeout_s=480.0), strict=True))
-    model, processor = load_reference(whisper_path)
-    for name in NAMES:
-        expected = reference_tokens(model, processor, clips[name])
-        got = results[name]
-        assert got.token_ids == expected, name
-        assert got.finish_reason == "FINISH_REASON_STOP"
-        assert got.completion_tokens == len(expected)
-        assert got.text.strip() == processor.tokenizer.decode(expected, skip_special_tokens=True).strip(), name
+    results = transcribe_and_check(whisper_e_pd.address, whisper_path, NAMES, "e-pd-")
+    processor = load_reference(whisper_path)[1]
     if whisper_e_pd.spec.engine == "vllm":
         unsplit = vllm_unsplit(whisper_path, "whisper")
         assert {name: results[name].token_ids for name in WHISPER_CLIPS} == unsplit

@@ -31,7 +31,7 @@ from tests.support.openai_door import running_door
 from tests.support.release_tree import release_checkout
 from tests.support.speech_corpus import UTTERANCES, utterance
 from tests.support.stacks import run_requests
-from tests.support.whisper_staged import load_reference, reference_tokens
+from tests.support.whisper_staged import load_reference, reference_tokens, transcribe_and_check
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
@@ -58,16 +58,8 @@ def whisper_stack(whisper_path: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.mark.timeout(600)
 def test_router_transcripts_equal_generate(whisper_path: Path, whisper_stack: Stack) -> None:
-    clips = {name: utterance(*UTTERANCES[name]) for name in NAMES}
-    requests = [transcription_request(audio_item(clips[n], item_id=n), request_id=n) for n in NAMES]
-    results = dict(zip(NAMES, run_requests(whisper_stack.address, requests, timeout_s=480.0), strict=True))
-    model, processor = load_reference(whisper_path)
-    for name in NAMES:
-        expected = reference_tokens(model, processor, clips[name])
-        got = results[name]
-        assert got.token_ids == expected, name
-        assert got.finish_reason == "FINISH_REASON_STOP"
-        assert got.completion_tokens == len(expected)
+    results = transcribe_and_check(whisper_stack.address, whisper_path, NAMES, "")
+    processor = load_reference(whisper_path)[1]
     # The long-form clip's transcript went through two windows: it holds timestamp tokens.
     begin = processor.tokenizer.convert_tokens_to_ids("<|notimestamps|>") + 1
     assert any(t >= begin for t in results["long_form"].token_ids)

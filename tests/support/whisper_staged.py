@@ -6,6 +6,7 @@ by its own processor."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,27 @@ def reference_tokens(model: Any, processor: Any, data: bytes) -> list[int]:
             )
             out = model.generate(inputs.input_features, attention_mask=inputs.attention_mask, return_timestamps=True)
     return [int(t) for t in out[0].tolist()]
+
+
+def transcribe_and_check(address: str, model_path: Path, names: Sequence[str], tag: str) -> dict[str, Any]:
+    """The corpus clips `names` transcribed together through the router at `address`; each must be
+    generate()'s tokens, text and usage (greedy, fed by WhisperProcessor). Returns the results."""
+    from libs.client.transcribe import audio_item, transcription_request
+    from tests.support.speech_corpus import UTTERANCES, utterance
+    from tests.support.stacks import run_requests
+
+    clips = {name: utterance(*UTTERANCES[name]) for name in names}
+    requests = [transcription_request(audio_item(clips[n], item_id=n), request_id=f"{tag}{n}") for n in names]
+    results = dict(zip(names, run_requests(address, requests, timeout_s=480.0), strict=True))
+    model, processor = load_reference(model_path)
+    for name in names:
+        expected = reference_tokens(model, processor, clips[name])
+        got = results[name]
+        assert got.token_ids == expected, name
+        assert got.finish_reason == "FINISH_REASON_STOP"
+        assert got.completion_tokens == len(expected)
+        assert got.text.strip() == processor.tokenizer.decode(expected, skip_special_tokens=True).strip(), name
+    return results
 
 
 class WhisperStages:
