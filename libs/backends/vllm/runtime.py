@@ -184,13 +184,13 @@ def engine_args(
         args["gpu_memory_utilization"] = settings.gpu_memory_utilization  # vLLM sizes the KV cache
     else:
         args["kv_cache_memory_bytes"] = settings.kv_cache_mib << 20  # else vLLM sizes it from all RAM
+    if model_type(settings.model) == "whisper":
+        args |= speech_engine_args(settings)
     if isinstance(settings, ChunkedPrefillSettings):
         # The reference engine's prefill chunks, in vLLM's scheduler: while other requests are
         # running or waiting, one prompt gets at most this many tokens of a step, so a short text
         # request is not held behind a whole multimodal prefill (a lone prompt still runs whole).
-        args["long_prefill_token_threshold"] = min(settings.prefill_chunk_tokens, settings.max_model_len)
-    if model_type(settings.model) == "whisper":
-        args |= speech_engine_args(settings)
+        args["long_prefill_token_threshold"] = min(settings.prefill_chunk_tokens, args["max_model_len"])
     if ec_consumer:
         args["ec_transfer_config"] = dict(
             ec_connector="EpdECConnector",
