@@ -120,6 +120,9 @@ class EncoderCache:
             self.config.publish_queue
         )
         self._queued: set[str] = set()
+        # Keys whose stored entry was rejected and whose removal is still queued: a load of one is a
+        # miss without reading the store (it would read, reject and count the same entry again).
+        self._rejected: set[str] = set()
         self._queued_lock = threading.Lock()
         self._publisher: threading.Thread | None = None
         if store is not None:
@@ -192,6 +195,9 @@ class EncoderCache:
     async def _load(self, key: CacheKey) -> CacheEntry | None:
         if self.store is None:
             return None
+        with self._queued_lock:
+            if key.store_key in self._rejected:
+                return None
         with stage("cache.load", "cache_load", **{"epd.cache.key": key.store_key}) as span:
             result = await self.store.aget(key.store_key)
             span.set_attribute("epd.cache.status", result.status.value)
@@ -216,10 +222,13 @@ class EncoderCache:
         self._metrics.add("invalid", exc.fault.value)
         log.warning("cache entry %s rejected: %s", key.store_key, exc)
         # Removed from the publisher thread: off the event loop, and ahead of the good entry's put.
-        try:
-            self._queue.put_nowait((key, None, trace.get_current_span().get_span_context()))
-        except queue.Full:
-            self._metrics.add("errors", "remove_dropped")
+        with self._queued_lock:
+            try:
+                self._queue.put_nowait((key, None, trace.get_current_span().get_span_context()))
+            except queue.Full:
+                self._metrics.add("errors", "remove_dropped")
+                return
+            self._rejected.add(key.store_key)
 
     def _put_local(self, key: CacheKey, entry: CacheEntry) -> None:
         evicted = self.local.put(key.store_key, entry)
@@ -267,9 +276,8 @@ class EncoderCache:
                 self._metrics.add("publishes", "error")
                 log.warning("cache publish of %s failed: %r", key.store_key, exc)
             finally:
-                if entry is not None:
-                    with self._queued_lock:
-                        self._queued.discard(key.store_key)
+                with self._queued_lock:
+                    (self._queued if entry is not None else self._rejected).discard(key.store_key)
                 self._queue.task_done()
 
     def _publish_one(self, key: CacheKey, entry: CacheEntry, parent: trace.SpanContext) -> None:

@@ -168,6 +168,32 @@ def test_poisoned_store_entries_are_never_served(metrics: Metrics, poison: str) 
     cache.close()
 
 
+def test_a_rejected_entry_is_not_read_again_while_its_removal_is_queued(metrics: Metrics) -> None:
+    """A load-only caller rejects a poisoned entry (a CACHED_ONLY job); the computing retry that
+    follows must not read and count it again before the publisher thread removed it: the removal is
+    held here until after the retry (on a loaded host it can simply be late)."""
+    store = FakeStore()
+    key, entry = make_entry()
+    _, bad = make_entry(namespace=dataclasses.replace(NS, weights_digest="sha256:evil"))
+    store.data[key.store_key] = encode(bad)
+    store.remove_gate = threading.Event()
+    cache = new_cache(store, metrics)
+
+    async def run() -> None:
+        assert await cache.get_or_load(key) is None
+        result = await cache.get_or_compute(key, Computer(entry))
+        assert result.source is Source.COMPUTED and result.entry is entry
+
+    asyncio.run(run())
+    store.remove_gate.set()
+    assert cache.flush(5)
+    assert [op for op, k in store.calls if k == key.store_key] == ["get", "remove", "put"]
+    assert store.data[key.store_key] == encode(entry)
+    assert metrics.counters()[("epd.cache.invalid", "namespace_mismatch")] == 1
+    assert asyncio.run(cache.lookup(key)) is entry
+    cache.close()
+
+
 def test_a_computed_entry_for_the_wrong_key_is_refused(metrics: Metrics) -> None:
     cache = new_cache(FakeStore(), metrics)
     key, _ = make_entry(b"one")

@@ -73,6 +73,7 @@ class FakeStore:
         self.down = False
         self.calls: list[tuple[str, str]] = []
         self.put_gate: threading.Event | None = None  # when set, puts wait for it
+        self.remove_gate: threading.Event | None = None  # when set, removals wait for it
         self.lock = threading.Lock()
 
     def _unavailable(self) -> StoreResult:
@@ -115,6 +116,8 @@ class FakeStore:
         return self.exists(key)
 
     def remove(self, key: str) -> StoreResult:
+        if self.remove_gate is not None:
+            self.remove_gate.wait(10)
         with self.lock:
             self.calls.append(("remove", key))
             self.data.pop(key, None)
