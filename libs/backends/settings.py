@@ -89,6 +89,11 @@ class EncoderBackendSettings(EngineSettings):
 
     cache_mib: int = setting(256, "in-process encoder-output cache (LRU), in MiB; 0 disables caching")
     cache_master: str = setting("", "Mooncake Store master (HOST:PORT) shared by encoders; empty: local cache only")
+    encode_batch_items: int = setting(
+        16,
+        "reference: most media items one tower forward takes from Encode calls that queued while the last one "
+        "ran (images only: videos and audio run per call); 1: one call per forward",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""EncoderRunner: media items → embeddings + layout, one forward per modality per call."""
+"""EncoderRunner: media items → embeddings + layout, one forward per modality per call (or per
+batch of calls: `encode_calls`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import hashlib
 import json
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -88,14 +90,77 @@ class EncoderRunner:
         instants (ns since the epoch) `start`, `preprocessed` and `end`, for tracing."""
         if timings is not None:
             timings["start"] = time.time_ns()
+        prepared = self.prepare(items)
+        if timings is not None:
+            timings["preprocessed"] = time.time_ns()
+        encoded = self.run_towers(prepared)
+        if timings is not None:
+            timings["end"] = time.time_ns()
+        return encoded
+
+    def encode_calls(
+        self, calls: Sequence[list[MediaInput]], timings: dict[str, int] | None = None
+    ) -> list[list[EncodedItem] | Exception]:
+        """Several callers' items through the towers together (one forward per modality), each
+        call's result (or its own error) in call order: a call whose input is bad fails alone.
+        Merge only calls whose items the towers treat apart (`merges_exactly`): their outputs are
+        then the same bits as encoded call by call. `timings` as `encode`, for the whole batch."""
+        if timings is not None:
+            timings["start"] = time.time_ns()
+        outcomes: list[list[PreparedItem] | Exception] = []
+        for call in calls:
+            try:
+                outcomes.append(self.prepare(call))
+            except Exception as exc:  # the caller's own error, raised in its request
+                outcomes.append(exc)
+        if timings is not None:
+            timings["preprocessed"] = time.time_ns()
+        ready = [o for o in outcomes if not isinstance(o, Exception)]
+        flat: list[EncodedItem] | None = None
+        failure: Exception | None = None
+        try:
+            flat = self.run_towers([item for prepared in ready for item in prepared])
+        except Exception as exc:
+            if len(ready) == 1:
+                failure = exc  # that call's; with several, which call's items failed is found call by call
+        results: list[list[EncodedItem] | Exception] = []
+        start = 0
+        for outcome in outcomes:
+            if isinstance(outcome, Exception):
+                results.append(outcome)
+            elif flat is not None:
+                results.append(flat[start : start + len(outcome)])
+                start += len(outcome)
+            elif failure is not None:
+                results.append(failure)
+            else:
+                try:
+                    results.append(self.run_towers(outcome))
+                except Exception as exc:
+                    results.append(exc)
+        if timings is not None:
+            timings["end"] = time.time_ns()
+        return results
+
+    @staticmethod
+    def merges_exactly(items: Sequence[MediaInput]) -> bool:
+        """Whether a call's items may share a forward with other calls' items and keep their bits:
+        images (each its own attention sequence: measured bit-equal on the three vision families,
+        tests/runtime/test_encode_calls.py); a video's or audio's output moves in its last bits
+        with its batch (Qwen3-VL video, Qwen2.5-Omni audio), so those calls run alone."""
+        return all(m.modality is Modality.IMAGE for m in items)
+
+    def prepare(self, items: Sequence[MediaInput]) -> list[PreparedItem]:
+        """Check and preprocess a call's items (errors name `items[i]`)."""
         for i, media in enumerate(items):
             if media.modality not in self.adapter.modalities:
                 raise UnsupportedModalityError(
                     f"model has no {media.modality.value} encoder", field=f"items[{i}].media.modality"
                 )
-        prepared = [self.adapter.preprocess(m, media_hash(m), self.limits) for m in items]
-        if timings is not None:
-            timings["preprocessed"] = time.time_ns()
+        return [self.adapter.preprocess(m, media_hash(m), self.limits) for m in items]
+
+    def run_towers(self, prepared: list[PreparedItem]) -> list[EncodedItem]:
+        """Preprocessed items through their towers, one forward per modality; results in order."""
         by_modality: dict[Modality, list[int]] = defaultdict(list)
         for i, item in enumerate(prepared):
             by_modality[item.layout.modality].append(i)
@@ -109,6 +174,4 @@ class EncoderRunner:
                     if rows != prepared[i].layout.rows:
                         raise EmbeddingMismatchError(f"item {i}: {rows} rows, layout says otherwise")
                     results[i] = EncodedItem(prepared[i].layout, {k: v.clone() for k, v in tensors.items()})
-        if timings is not None:
-            timings["end"] = time.time_ns()
-        return [results[i] for i in range(len(items))]
+        return [results[i] for i in range(len(prepared))]

@@ -63,23 +63,23 @@ def hold_streams(prefix: str, gate: Path) -> None:
 def hold_encodes(prefix: str, gate: Path) -> None:
     """Patch the encoder's compute: jobs whose request id starts with `prefix` hold the compute
     thread until `gate` exists."""
-    import libs.backends.reference.encoder as backend
     import services.encoder.core as core
+    from libs.serving.encoding import EncodeBatcher
 
     job: contextvars.ContextVar[str] = contextvars.ContextVar("gated_job", default="")
-    encode, encode_items = core.EncoderCore.encode, backend.encode_items
+    encode, batched = core.EncoderCore.encode, EncodeBatcher.encode
 
     async def encode_job(self: Any, request: Any, *args: Any) -> Any:
         job.set(request.request_id)  # this task's context: the compute below runs in it
         return await encode(self, request, *args)
 
-    async def held_items(thread: Any, runner: Any, media: Any, *args: Any, **kwargs: Any) -> Any:
+    async def held(self: EncodeBatcher, media: Any, *args: Any, **kwargs: Any) -> Any:
         if job.get().startswith(prefix):
-            await thread.run(_wait_blocking, gate)
-        return await encode_items(thread, runner, media, *args, **kwargs)
+            await self.thread.run(_wait_blocking, gate)
+        return await batched(self, media, *args, **kwargs)
 
     core.EncoderCore.encode = encode_job  # type: ignore[method-assign]
-    backend.encode_items = held_items  # type: ignore[assignment]
+    EncodeBatcher.encode = held  # type: ignore[method-assign]
 
 
 def hold_stop(gate: Path) -> None:

@@ -4,7 +4,8 @@ process's registered pool, plus layout.
 Per `Encode` call: resolve each item's bytes, get each item's embeddings, then place them in a
 pool slot and return its handle (NIXL) - or the bytes themselves when the consumer accepts only
 INLINE. Embeddings come from the tower (items of one modality in one forward, on the compute
-thread) or, with a cache, from the local LRU, then the shared store, then the tower;
+thread, with other calls' images that queued meanwhile: `EncodeBatcher`) or, with a cache, from the
+local LRU, then the shared store, then the tower;
 `CACHE_POLICY_CACHED_ONLY` (the router's short-circuit after a store hit) never runs the tower and
 answers NOT_FOUND for an item not cached. Slots are freed by the consumer's completion
 notification, `ReleaseLeases`, or lease expiry. If anything fails after some items were placed,
@@ -35,7 +36,7 @@ from libs.runtime.encoder_runner import EncoderRunner, media_hash
 from libs.runtime.types import EncodedItem, MediaInput
 from libs.serving import convert
 from libs.serving.compute_thread import ComputeThread
-from libs.serving.encoding import encode_items
+from libs.serving.encoding import EncodeBatcher
 from libs.serving.identity import model_identity
 from libs.serving.media_source import job_media
 from libs.serving.speech import speech_capabilities
@@ -59,6 +60,7 @@ class ReferenceEncoder(EncoderBackend):
         file_root: Path | None = None,
         cache: EncoderCache | None = None,
         store: MooncakeStoreClient | None = None,
+        batch_items: int = 16,
     ) -> None:
         self.runner = runner
         self.weights_digest = runner.weights_digest
@@ -66,6 +68,7 @@ class ReferenceEncoder(EncoderBackend):
         self.max_running = max_running
         self.in_flight = InFlight()
         self.thread = ComputeThread("encoder")
+        self.batcher = EncodeBatcher(self.thread, runner, max_items=batch_items)
         self.limits = limits or Limits()
         self.file_root = file_root
         self.cache = cache
@@ -104,7 +107,7 @@ class ReferenceEncoder(EncoderBackend):
         if request.cache_policy == encoder_pb2.CACHE_POLICY_CACHED_ONLY:
             encoded = list(await asyncio.gather(*(self._from_cache(m, i) for i, m in enumerate(media))))
         elif self.cache is None:
-            encoded = await encode_items(self.thread, self.runner, media)
+            encoded = await self.batcher.encode(media)
         else:
             encoded = list(await asyncio.gather(*(self._through_cache(self.cache, m) for m in media)))
         nixl = tensor_pb2.TRANSPORT_KIND_NIXL in request.accepted_transports
@@ -145,7 +148,7 @@ class ReferenceEncoder(EncoderBackend):
         compute it once (single-flight) and later ones reuse it."""
 
         async def compute() -> CacheEntry:
-            (item,) = await encode_items(self.thread, self.runner, [media])
+            (item,) = await self.batcher.encode([media])
             return CacheEntry.from_item(cache.namespace, item)
 
         result = await cache.get_or_compute(cache.key(media_hash(media)), compute)
@@ -169,7 +172,13 @@ async def start(settings: EncoderBackendSettings) -> ReferenceEncoder:
     transport = Transport(transfer_config(settings, "encoder"), identity, produce=True, consume=False)
     cache, store = _cache(settings, runner, identity)
     return ReferenceEncoder(
-        runner, transport, max_running=settings.max_running, file_root=settings.file_root, cache=cache, store=store
+        runner,
+        transport,
+        max_running=settings.max_running,
+        file_root=settings.file_root,
+        cache=cache,
+        store=store,
+        batch_items=settings.encode_batch_items,
     )
 
 

@@ -1,0 +1,66 @@
+"""`EncoderRunner.encode_calls`, the encoder's cross-request batches, on each vision family's real
+tower: images of several calls in one forward come out with the same bits as each call encoded
+alone (what lets the encoder merge calls without changing any request's tokens:
+`EncoderRunner.merges_exactly`), and a call with bad input fails alone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from libs.runtime import types as eng
+from libs.runtime.errors import InvalidMediaError, UnsupportedModalityError
+from libs.runtime.media import synthetic
+from tests.support.engines import FAMILIES, Engines
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def image(width: int, height: int, seed: int, index: int = 0) -> eng.MediaInput:
+    return eng.MediaInput(eng.Modality.IMAGE, synthetic.png_bytes(width, height, seed=seed), item_index=index)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_images_of_several_calls_in_one_forward_keep_their_bits(family: str, engines: Callable[[str], Engines]) -> None:
+    runner = engines(family).encoder
+    calls = [
+        [image(224, 224, seed=1)],
+        [image(112, 168, seed=2), image(280, 196, seed=3, index=1)],
+        [image(56, 56, seed=4)],
+    ]
+    timings: dict[str, int] = {}
+    batched = runner.encode_calls(calls, timings)
+    assert timings["start"] <= timings["preprocessed"] <= timings["end"]
+    assert [len(r) for r in batched if isinstance(r, list)] == [1, 2, 1]
+    for call, together in zip(calls, batched, strict=True):
+        assert isinstance(together, list)
+        alone = runner.encode(call)
+        for a, b in zip(alone, together, strict=True):
+            assert a.layout == b.layout
+            assert a.tensors.keys() == b.tensors.keys()
+            for name in a.tensors:
+                assert torch.equal(a.tensors[name], b.tensors[name]), (family, name)
+
+
+def test_a_bad_call_fails_alone(engines: Callable[[str], Engines]) -> None:
+    runner = engines("qwen2_5_vl").encoder
+    good = [image(112, 112, seed=5)]
+    undecodable = [image(56, 56, seed=6), eng.MediaInput(eng.Modality.IMAGE, b"not an image", item_index=1)]
+    unsupported = [eng.MediaInput(eng.Modality.AUDIO, synthetic.wav_bytes(1.0, seed=0))]  # no audio tower
+    results = runner.encode_calls([good, undecodable, unsupported, good])
+    assert isinstance(results[1], InvalidMediaError)
+    assert isinstance(results[2], UnsupportedModalityError) and results[2].field == "items[0].media.modality"
+    expected = runner.encode(good)[0].embeddings
+    for result in (results[0], results[3]):
+        assert isinstance(result, list) and torch.equal(result[0].embeddings, expected)
+
+
+def test_only_image_calls_merge() -> None:
+    from libs.runtime.encoder_runner import EncoderRunner
+
+    still = eng.MediaInput(eng.Modality.IMAGE, b"")
+    assert EncoderRunner.merges_exactly([still, still])
+    assert not EncoderRunner.merges_exactly([still, eng.MediaInput(eng.Modality.VIDEO, b"")])
+    assert not EncoderRunner.merges_exactly([eng.MediaInput(eng.Modality.AUDIO, b"")])
