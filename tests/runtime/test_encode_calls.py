@@ -64,3 +64,27 @@ def test_only_image_calls_merge() -> None:
     assert EncoderRunner.merges_exactly([still, still])
     assert not EncoderRunner.merges_exactly([still, eng.MediaInput(eng.Modality.VIDEO, b"")])
     assert not EncoderRunner.merges_exactly([eng.MediaInput(eng.Modality.AUDIO, b"")])
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_layout_from_the_resized_pixels_is_the_preprocessed_one(
+    family: str, engines: Callable[[str], Engines]
+) -> None:
+    """What the vLLM encoder computes instead of a second preprocessing (libs/backends/vllm/encoder.py)."""
+    from libs.runtime.encoder_runner import media_hash
+    from libs.runtime.families.qwen_vl import QwenVLAdapter
+    from libs.runtime.media.limits import MediaLimits
+
+    adapter = engines(family).encoder.adapter
+    assert isinstance(adapter, QwenVLAdapter)
+    limits = MediaLimits()
+    bounded = eng.ProcessorOptions(min_pixels=56 * 56, max_pixels=112 * 140)
+    default = eng.ProcessorOptions()
+    for width, height, options in [(224, 224, default), (57, 300, default), (640, 360, default), (640, 360, bounded)]:
+        media = eng.MediaInput(eng.Modality.IMAGE, synthetic.png_bytes(width, height, seed=width), options=options)
+        resized = adapter.vision.resized_image(media.data, media.options, limits)
+        key = media_hash(media)
+        assert (
+            adapter.image_item(media, key, adapter.vision.image_grid(resized))
+            == adapter.preprocess(media, key, limits).layout
+        ), (width, height, options)

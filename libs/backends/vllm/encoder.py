@@ -54,6 +54,7 @@ from libs.runtime.checkpoint import Checkpoint
 from libs.runtime.encoder_runner import media_hash
 from libs.runtime.errors import UnsupportedModalityError
 from libs.runtime.families import adapter_for
+from libs.runtime.families.qwen_vl import QwenVLAdapter
 from libs.runtime.media.limits import MediaLimits
 from libs.serving import convert
 from libs.serving.convert import engine_errors
@@ -218,14 +219,18 @@ class VllmEncoder(EncoderBackend):
                 raise UnsupportedModalityError(
                     f"the vLLM encoder has no {media.modality.value} encoder for this model", field="media.modality"
                 )
-            layout = self.adapter.preprocess(media, media_hash(media), self.media_limits).layout
-            vision: Any = getattr(self.adapter, "vision")  # noqa: B009 - the Qwen adapters' vision settings
+            # The project's layout from the same pixels vLLM is given (each item decoded once here).
+            adapter = self.adapter
+            assert isinstance(adapter, QwenVLAdapter), "start() refuses the other families"
+            vision = adapter.vision
             if media.modality is eng.Modality.IMAGE:
                 # Resized as the project does (the request's pixel bounds included): vLLM's processor
                 # takes it as it is (`do_resize=False`), so its grid is the layout's.
                 resized = vision.resized_image(media.data, media.options, self.media_limits)
+                layout = adapter.image_item(media, media_hash(media), vision.image_grid(resized))
                 return layout, resized[0].permute(1, 2, 0).contiguous().numpy()  # [H, W, 3] uint8
             clip = vision.video(media.data, media.options, self.media_limits)
+            layout = adapter.video_item(media, media_hash(media), clip)
             decoded = clip.decoded
             frames = decoded.frames.permute(0, 2, 3, 1).contiguous().numpy()  # [T, H, W, 3] uint8
             # The project sampled and resized the frames: vLLM takes them as they are, with the

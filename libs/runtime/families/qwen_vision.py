@@ -84,6 +84,11 @@ class QwenVisionPreprocessor:
             raise InvalidMediaError(f"cannot preprocess image: {exc}", field="media.data") from exc
         return resize_bicubic(image, height, width)
 
+    def image_grid(self, resized: torch.Tensor) -> ImageLayout:
+        """The patch grid of a `resized_image` (one temporal patch: `patchify` pads a lone frame)."""
+        patch = self.image_settings.patch_size
+        return ImageLayout(grid_t=1, grid_h=resized.shape[2] // patch, grid_w=resized.shape[3] // patch)
+
     def image(self, data: bytes, options: ProcessorOptions, limits: MediaLimits) -> tuple[torch.Tensor, ImageLayout]:
         s = self.image_settings
         pixels = normalize(self.resized_image(data, options, limits), s.mean, s.std)

@@ -13,7 +13,13 @@ from libs.runtime.checkpoint import Checkpoint
 from libs.runtime.errors import EmbeddingMismatchError
 from libs.runtime.families.base import Expansion, FamilyAdapter, PlacedItem, PreparedItem
 from libs.runtime.families.causal_lm import CausalLM, strip_prefixes
-from libs.runtime.families.qwen_vision import QwenVisionPreprocessor, build_mrope, video_layout, vision_position_offsets
+from libs.runtime.families.qwen_vision import (
+    QwenVisionPreprocessor,
+    VideoPixels,
+    build_mrope,
+    video_layout,
+    vision_position_offsets,
+)
 from libs.runtime.media import synthetic
 from libs.runtime.media.limits import MediaLimits
 from libs.runtime.types import ImageLayout, ItemLayout, MediaInput, Modality, VideoLayout
@@ -99,20 +105,26 @@ class QwenVLAdapter(FamilyAdapter):
 
     # ---- media ----
     def preprocess(self, media: MediaInput, mm_hash: str, limits: MediaLimits) -> PreparedItem:
-        merge = self.merge_size**2
         if media.modality is Modality.IMAGE:
             pixels, image = self.vision.image(media.data, media.options, limits)
-            count = image.grid_t * image.grid_h * image.grid_w // merge
-            layout = ItemLayout(media.modality, media.item_index, mm_hash, count, image=image)
-            return PreparedItem(layout, {"pixel_values": pixels})
+            return PreparedItem(self.image_item(media, mm_hash, image), {"pixel_values": pixels})
         clip = self.vision.video(media.data, media.options, limits)
+        return PreparedItem(self.video_item(media, mm_hash, clip), {"pixel_values": clip.pixel_values})
+
+    def image_item(self, media: MediaInput, mm_hash: str, image: ImageLayout) -> ItemLayout:
+        """An image's layout from its patch grid (`preprocess`, or `QwenVisionPreprocessor.image_grid`
+        where another engine's processor makes the pixels)."""
+        count = image.grid_t * image.grid_h * image.grid_w // self.merge_size**2
+        return ItemLayout(media.modality, media.item_index, mm_hash, count, image=image)
+
+    def video_item(self, media: MediaInput, mm_hash: str, clip: VideoPixels) -> ItemLayout:
+        """A video's layout from its sampled, resized clip."""
         tp = self.vision.temporal_patch_size
         # `Qwen2_5_VLProcessor._process_videos` (and qwen-vl-utils): temporal patch / sampled fps.
         spg = tp / clip.decoded.sampled_fps
         video = video_layout(clip, tp, seconds_per_grid=spg, mean_times=self.mean_patch_times)
-        count = video.grid_t * video.grid_h * video.grid_w // merge
-        layout = ItemLayout(media.modality, media.item_index, mm_hash, count, video=video)
-        return PreparedItem(layout, {"pixel_values": clip.pixel_values})
+        count = video.grid_t * video.grid_h * video.grid_w // self.merge_size**2
+        return ItemLayout(media.modality, media.item_index, mm_hash, count, video=video)
 
     def tower(self, encoder: torch.nn.Module, items: list[PreparedItem]) -> Any:
         """One vision-tower forward over a batch of items (transformers output object)."""
