@@ -58,6 +58,11 @@ class RouterSettings(ClientAuthSettings, CommonSettings):
     )
     cache_lookup_timeout_s: float = setting(0.25, "longest wait for a store lookup before treating it as a miss")
     affinity_slack: int = setting(4, "extra outstanding jobs a new item's hash-preferred encoder may have")
+    encode_in_flight: int = setting(
+        64,
+        "Encode calls sent to one encoder at once; more wait in the router (keep it within the encoders' "
+        "--max-running + --max-waiting, 80 by default, so admitted requests are not refused there)",
+    )
     # Off by default: the warm-up's encode counts as a computed item in the encoders' metrics and
     # caches; `epd up`/`epd demo` and the benchmarks turn it on (EPD_WARM_UP=true).
     warm_up: bool = setting(
@@ -146,7 +151,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     memberships.append(membership)
     for each in memberships:
         each.start()
-    router = Router(backends, pool, cache=cache, stages=stages)
+    router = Router(backends, pool, cache=cache, stages=stages, encode_in_flight=settings.encode_in_flight)
     admission = Admission("router", settings.max_running, settings.max_waiting)
     info = service_info_pb2.ServiceInfo(
         contract_version=version.current(),

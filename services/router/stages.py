@@ -3,7 +3,9 @@
 `Failover` (services/router/failover.py).
 
 - `encode_on`: the job on one encoder, CACHED_ONLY when the item is in the store the encoder
-  loads from.
+  loads from. At most `encode_in_flight` jobs go to one encoder at once; more wait here (a queue
+  stage), bounded by the router's own admission: requests it admitted are not refused by an
+  encoder queue they overflow (several items per request at high concurrency).
 - `prefill_and_decode`: the request's messages (media parts already replaced by their `encoded`
   parts) go to prefill; its KV cache goes to any decode. The request's `RequestState` holds the
   embeddings until prefill (or PD) acks them, and the KV until decode acks it. A prefill, decode or
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
@@ -32,7 +35,8 @@ from libs.contract.epd.v1 import (
     prefill_pb2,
     tensor_pb2,
 )
-from libs.telemetry.stages import ATTRIBUTION, calls_under, phase, start_phase
+from libs.contract.errors import DeadlineExceeded
+from libs.telemetry.stages import ATTRIBUTION, calls_under, phase, stage, start_phase
 from services.router.backends import Backends, Stages
 from services.router.failover import Check, Failover, remaining
 from services.router.leases import RequestState
@@ -50,9 +54,30 @@ def _usage(reply: Any) -> generation_pb2.Usage | None:
 class StageClients:
     """Calls to the encoders and to the prefill/decode (or PD) members."""
 
-    def __init__(self, backends: Backends, stages: Stages) -> None:
+    def __init__(self, backends: Backends, stages: Stages, *, encode_in_flight: int = 64) -> None:
+        if encode_in_flight < 1:
+            raise ValueError("encode_in_flight must be >= 1")
         self.backends = backends
         self.stages = stages
+        self.encode_in_flight = encode_in_flight
+        self._encode_slots: dict[str, asyncio.Semaphore] = {}
+
+    @contextlib.asynccontextmanager
+    async def _encode_slot(self, address: str, deadline: float | None) -> AsyncGenerator[None, None]:
+        """One of `address`'s `encode_in_flight` slots, waited for under `deadline`."""
+        slots = self._encode_slots.setdefault(address, asyncio.Semaphore(self.encode_in_flight))
+        if slots.locked():
+            with stage("router.encode_queue", "queue", **{"epd.encoder": address}):
+                try:
+                    await asyncio.wait_for(slots.acquire(), remaining(deadline))
+                except TimeoutError:
+                    raise DeadlineExceeded("request deadline passed waiting for an encoder slot") from None
+        else:
+            await slots.acquire()
+        try:
+            yield
+        finally:
+            slots.release()
 
     async def encode_on(
         self,
@@ -80,9 +105,10 @@ class StageClients:
             policy = encoder_pb2.CACHE_POLICY_CACHED_ONLY if await cached() else encoder_pb2.CACHE_POLICY_UNSPECIFIED
             job.cache_policy = policy
             span.set_attribute("epd.cache.policy", encoder_pb2.CachePolicy.Name(job.cache_policy))
-            reply: encoder_pb2.EncodeResponse = await self.backends.encoder(address).Encode(
-                job, timeout=remaining(deadline)
-            )
+            async with self._encode_slot(address, deadline):
+                reply: encoder_pb2.EncodeResponse = await self.backends.encoder(address).Encode(
+                    job, timeout=remaining(deadline)
+                )
             return reply
 
     def prefill_and_decode(

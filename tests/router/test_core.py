@@ -533,3 +533,41 @@ def test_a_raw_prompt_goes_only_to_a_prefill_advertising_prompt_raw() -> None:
     advertising.add("p:1")
     assert asyncio.run(h.tokens(request)) == [7, 8, 9]
     assert h.prefill.requests[-1].messages[0].role == chat_pb2.CHAT_ROLE_RAW  # passed on as it is
+
+
+def test_jobs_beyond_an_encoders_in_flight_bound_wait_in_the_router() -> None:
+    """More items than the bound: the encoder never has more than `encode_in_flight` calls; the
+    rest wait in the router (not refused) and go out as calls end."""
+    h = Harness(n_encoders=1, encode_in_flight=2)
+    encoder = h.encoders["enc0"]
+    original = encoder.Encode
+    gate = asyncio.Event()
+    in_flight, most = 0, 0
+
+    async def encode(req: encoder_pb2.EncodeRequest, timeout: float | None = None) -> Any:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        try:
+            await gate.wait()
+            return await original(req, timeout=timeout)
+        finally:
+            in_flight -= 1
+
+    encoder.Encode = encode  # type: ignore[method-assign]
+
+    async def run() -> list[int]:
+        task = asyncio.ensure_future(h.tokens(image_request(5)))
+        for _ in range(1000):  # bounded: the five jobs reach the encoder or its bound
+            if in_flight == 2:
+                break
+            await asyncio.sleep(0)
+        for _ in range(50):  # the other three had every chance to get through: they must not
+            await asyncio.sleep(0)
+        assert (in_flight, len(h.log)) == (2, 0)
+        gate.set()
+        return await task
+
+    assert asyncio.run(run()) == [7, 8, 9]
+    assert most == 2 and sorted(i for _, i in h.log) == [0, 1, 2, 3, 4]
+    assert h.leases.released == {}

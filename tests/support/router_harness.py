@@ -175,7 +175,8 @@ class Harness:
         )
         self.pool = EncoderPool(list(self.encoders), slack=kw.get("slack", 0))
         self.stages = Stages.single(backends)
-        self.router = Router(backends, self.pool, cache=kw.get("cache"), stages=self.stages)
+        in_flight = kw.get("encode_in_flight", 64)
+        self.router = Router(backends, self.pool, cache=kw.get("cache"), stages=self.stages, encode_in_flight=in_flight)
 
     async def tokens(self, request: generate_pb2.GenerateRequest) -> list[int]:
         out: list[int] = []
