@@ -68,7 +68,6 @@ class EncodeBatcher:
         self.max_items = max_items
         self._queue: deque[_Call] = deque()
         self._drain_task: asyncio.Task[None] | None = None
-        self.batches = 0  # forwards run (a lone call counts as one), for stats and tests
 
     async def encode(self, media: list[eng.MediaInput], field_prefix: str = "") -> list[eng.EncodedItem]:
         """`encode_items`' result for `media`, possibly computed in one forward with other calls."""
@@ -105,7 +104,6 @@ class EncodeBatcher:
             while batch := self._next_batch():
                 timings: dict[str, int] = {}
                 outcomes = await self.thread.run(self.runner.encode_calls, [c.media for c in batch], timings)
-                self.batches += 1
                 items = sum(len(c.media) for c in batch)
                 for call, outcome in zip(batch, outcomes, strict=True):
                     if call.future.done():
