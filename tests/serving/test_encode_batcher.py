@@ -17,7 +17,7 @@ from libs.runtime import types as eng
 from libs.runtime.errors import InvalidMediaError
 from libs.serving.compute_thread import ComputeThread
 from libs.serving.encoding import EncodeBatcher
-from tests.serving.test_engine_thread import _hold_thread, _until_queued
+from tests.support.compute_thread import hold_thread, until_queued
 
 pytestmark = pytest.mark.unit
 
@@ -50,7 +50,7 @@ def video(name: str) -> eng.MediaInput:
 async def _queued_behind_a_busy_thread(batcher: EncodeBatcher, calls: list[list[eng.MediaInput]]) -> list[Any]:
     """Submit `calls` while the thread is held by another job, then let it go; each call's result or error."""
     gate = threading.Event()
-    blocker = await _hold_thread(batcher.thread, gate)
+    blocker = await hold_thread(batcher.thread, gate)
     tasks = [asyncio.ensure_future(batcher.encode(call)) for call in calls]
     await asyncio.sleep(0)  # every call queued (each task's first step) before the thread is free
     gate.set()
@@ -111,7 +111,7 @@ def test_a_bad_call_fails_alone_with_its_own_typed_error() -> None:
 def test_a_call_whose_caller_gave_up_is_not_computed() -> None:
     async def scenario(batcher: EncodeBatcher) -> list[Any]:
         gate = threading.Event()
-        blocker = await _hold_thread(batcher.thread, gate)
+        blocker = await hold_thread(batcher.thread, gate)
         kept = asyncio.ensure_future(batcher.encode([image("kept")]))
         dropped = asyncio.ensure_future(batcher.encode([image("dropped")]))
         await asyncio.sleep(0)
@@ -128,11 +128,11 @@ def test_a_call_whose_caller_gave_up_is_not_computed() -> None:
 def test_calls_waiting_when_the_thread_stops_fail_instead_of_hanging() -> None:
     async def scenario(batcher: EncodeBatcher) -> list[Any]:
         gate = threading.Event()
-        blocker = await _hold_thread(batcher.thread, gate)
+        blocker = await hold_thread(batcher.thread, gate)
         waiting = [asyncio.ensure_future(batcher.encode([image(n)])) for n in "ab"]
-        await _until_queued(batcher.thread, 1)  # their batch waits behind the held job
+        await until_queued(batcher.thread, 1)  # their batch waits behind the held job
         stopper = asyncio.ensure_future(asyncio.to_thread(batcher.thread.shutdown))  # cancels what has not started
-        await _until_queued(batcher.thread, 0)
+        await until_queued(batcher.thread, 0)
         gate.set()
         await blocker
         await stopper

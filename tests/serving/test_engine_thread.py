@@ -9,31 +9,9 @@ import threading
 import pytest
 
 from libs.serving.compute_thread import ComputeThread
+from tests.support.compute_thread import hold_thread, until_queued
 
 pytestmark = pytest.mark.unit
-
-
-async def _hold_thread(engine: ComputeThread, gate: threading.Event) -> asyncio.Future[object]:
-    """A job that holds the engine thread until `gate` is set, once the thread is running it (an
-    event, not a sleep: a loaded host may take a while to schedule the thread)."""
-    running = threading.Event()
-
-    def hold() -> None:
-        running.set()
-        gate.wait()
-
-    blocker = asyncio.ensure_future(engine.run(hold))
-    assert await asyncio.to_thread(running.wait, 30), "the engine thread never took the first job"
-    return blocker
-
-
-async def _until_queued(engine: ComputeThread, count: int) -> None:
-    """Until `count` jobs wait in the queue (the submitting tasks run on this loop's next turns)."""
-    for _ in range(3000):  # bounded: 30 s
-        if engine.queued() == count:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never {count} jobs queued (now {engine.queued()})")
 
 
 def test_jobs_run_by_priority_then_arrival() -> None:
@@ -41,7 +19,7 @@ def test_jobs_run_by_priority_then_arrival() -> None:
         engine = ComputeThread("t", aging_per_s=0.0)
         gate = threading.Event()
         order: list[str] = []
-        blocker = await _hold_thread(engine, gate)  # holds the thread while jobs queue
+        blocker = await hold_thread(engine, gate)  # holds the thread while jobs queue
         jobs = [
             engine.run_at(800, order.append, "image chunk 800"),
             engine.run_at(40, order.append, "text 40"),
@@ -50,7 +28,7 @@ def test_jobs_run_by_priority_then_arrival() -> None:
             engine.run(order.append, "decode step B"),
         ]
         tasks = [asyncio.ensure_future(j) for j in jobs]
-        await _until_queued(engine, 5)
+        await until_queued(engine, 5)
         gate.set()
         await asyncio.gather(blocker, *tasks)
         engine.shutdown()
@@ -70,12 +48,12 @@ def test_a_long_wait_ages_a_job_ahead() -> None:
         engine = ComputeThread("t", aging_per_s=10_000.0)  # 10k tokens of priority per second waited
         gate = threading.Event()
         order: list[str] = []
-        blocker = await _hold_thread(engine, gate)
+        blocker = await hold_thread(engine, gate)
         old = asyncio.ensure_future(engine.run_at(1000, order.append, "old long"))
-        await _until_queued(engine, 1)
+        await until_queued(engine, 1)
         await asyncio.sleep(0.3)  # at least 0.3 s older: aged by >= 3000, more than the 950 between them
         new = asyncio.ensure_future(engine.run_at(50, order.append, "new short"))
-        await _until_queued(engine, 2)
+        await until_queued(engine, 2)
         gate.set()
         await asyncio.gather(blocker, old, new)
         engine.shutdown()
@@ -89,9 +67,9 @@ def test_cancelled_jobs_are_skipped_and_errors_reach_the_caller() -> None:
         engine = ComputeThread("t")
         gate = threading.Event()
         ran: list[str] = []
-        blocker = await _hold_thread(engine, gate)
+        blocker = await hold_thread(engine, gate)
         doomed = asyncio.ensure_future(engine.run(ran.append, "doomed"))
-        await _until_queued(engine, 1)
+        await until_queued(engine, 1)
         doomed.cancel()
         gate.set()
         await blocker
@@ -108,11 +86,11 @@ def test_shutdown_cancels_what_has_not_started() -> None:
     async def scenario() -> None:
         engine = ComputeThread("t")
         gate = threading.Event()
-        blocker = await _hold_thread(engine, gate)
+        blocker = await hold_thread(engine, gate)
         pending = asyncio.ensure_future(engine.run(lambda: "never"))
-        await _until_queued(engine, 1)
+        await until_queued(engine, 1)
         stopping = asyncio.ensure_future(asyncio.to_thread(engine.shutdown))  # waits for the running job only
-        await _until_queued(engine, 0)  # shutdown has taken the queue (before the running job ends)
+        await until_queued(engine, 0)  # shutdown has taken the queue (before the running job ends)
         gate.set()
         await stopping
         await blocker
