@@ -69,7 +69,10 @@ class StageClients:
         if slots.locked():
             with stage("router.encode_queue", "queue", **{"epd.encoder": address}):
                 try:
-                    await asyncio.wait_for(slots.acquire(), remaining(deadline))
+                    # A timeout inside acquire(), not wait_for's wrapper: a slot granted as it expires is
+                    # handed on by the semaphore, never lost.
+                    async with asyncio.timeout(remaining(deadline)):
+                        await slots.acquire()
                 except TimeoutError:
                     raise DeadlineExceeded("request deadline passed waiting for an encoder slot") from None
         else:

@@ -571,3 +571,33 @@ def test_jobs_beyond_an_encoders_in_flight_bound_wait_in_the_router() -> None:
     assert asyncio.run(run()) == [7, 8, 9]
     assert most == 2 and sorted(i for _, i in h.log) == [0, 1, 2, 3, 4]
     assert h.leases.released == {}
+
+
+def test_a_job_waiting_for_an_encoder_slot_past_its_deadline_fails_and_the_slot_survives() -> None:
+    from libs.contract.errors import DeadlineExceeded
+    from services.router.failover import ANSWER_MARGIN_S
+    from tests.support.router_harness import rpc_error as error
+
+    h = Harness(n_encoders=1, encode_in_flight=1)
+    encoder = h.encoders["enc0"]
+    original = encoder.Encode
+    gate = asyncio.Event()
+
+    async def encode(req: encoder_pb2.EncodeRequest, timeout: float | None = None) -> Any:
+        try:
+            await asyncio.wait_for(gate.wait(), timeout)
+        except TimeoutError:
+            raise error(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline") from None
+        return await original(req, timeout=timeout)
+
+    encoder.Encode = encode  # type: ignore[method-assign]
+
+    async def run() -> list[int]:
+        deadline = time.monotonic() + ANSWER_MARGIN_S + 0.2  # the second item waits for the slot past it
+        with pytest.raises((DeadlineExceeded, RpcFailed)):
+            async for _ in h.router.generate(image_request(2), deadline):
+                pass
+        gate.set()
+        return await h.tokens(image_request(1))  # the one slot is free again: not lost to the timeout
+
+    assert asyncio.run(run()) == [7, 8, 9]
