@@ -67,6 +67,12 @@ METRICS: tuple[tuple[str, str, bool], ...] = (
     ("request_throughput", "req/s", False),
     ("output_throughput", "out tok/s", False),
 )
+# How a server's answers reached the client, shown beside the figures (no ratio: neither more nor
+# fewer is better): the median over requests of the separate moments a streamed answer delivered
+# tokens. 16 output tokens streamed one by one read 16; an answer sent in one burst reads 1, and
+# then its TPOT reads ~0 while its TTFT carries the whole wait.
+ARRIVALS = ("median_arrivals", "arrivals/answer p50")
+ARRIVAL_GAP_S = 0.001  # a token read within 1 ms of the one before came in the same burst
 
 
 @dataclass(frozen=True)
@@ -129,13 +135,25 @@ def bench_serve_args(
         "--num-prompts", str(point.prompts), "--max-concurrency", str(point.concurrency),
         "--seed", str(point.seed), "--ignore-eos", "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-        "--save-result", "--result-dir", str(result_dir), "--result-filename", filename,
+        "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", filename,
     ]  # fmt: skip
+
+
+def arrivals(result: dict[str, Any]) -> float:
+    """The median over answered requests of their token arrivals (`--save-detailed`'s per-request
+    inter-token gaps, seconds; NaN without them)."""
+    counts = [
+        1 + sum(1 for gap in gaps if gap >= ARRIVAL_GAP_S)
+        for ttft, gaps in zip(result.get("ttfts") or [], result.get("itls") or [], strict=False)
+        if ttft and ttft > 0
+    ]
+    return float(statistics.median(counts)) if counts else math.nan
 
 
 def metrics_of(result: dict[str, Any]) -> dict[str, float]:
     """The metrics this benchmark reports, from one bench serve result JSON (NaN when absent)."""
     out = {key: float(result.get(key, math.nan)) for key, _, _ in METRICS}
+    out[ARRIVALS[0]] = arrivals(result)
     out["completed"] = float(result.get("completed", 0))
     out["failed"] = float(result.get("failed", 0))
     return out
@@ -186,7 +204,8 @@ class Results:
                 for conc in by_conc:
                     point = out.setdefault(f"{dataset}@c{conc}", {"configs": {}, "vs_peer": {}, "vs_unsplit": {}})
                     point["configs"][config] = {
-                        key: median_range(self.values(config, dataset, conc, key)) for key, _, _ in METRICS
+                        key: median_range(self.values(config, dataset, conc, key))
+                        for key in (*(key for key, _, _ in METRICS), ARRIVALS[0])
                     }
                     peer = PEERS.get(config)
                     for target, name in (
@@ -216,12 +235,14 @@ def table(summary: dict[str, Any]) -> str:
     """Markdown: each point's configurations (median (min-max) over repeats), then the ratios."""
     head = "| point | configuration | " + " | ".join(label for _, label, _ in METRICS) + " |"
     rule = "|---|---|" + "---|" * len(METRICS)
-    lines = ["### Figures (median (min-max) over repeats)", "", head, rule]
+    lines = ["### Figures (median (min-max) over repeats)", "", f"{head} {ARRIVALS[1]} |", f"{rule}---|"]
     for name, point in summary.items():
         for config in CONFIGS:
             if config in point["configs"]:
                 m = point["configs"][config]
-                lines.append(f"| {name} | {config} | " + " | ".join(_cell(m[k]) for k, _, _ in METRICS) + " |")
+                arrived = _cell(m[ARRIVALS[0]]) if ARRIVALS[0] in m else "-"  # a JSON from before the column
+                lines.append(f"| {name} | {config} | " + " | ".join(_cell(m[k]) for k, _, _ in METRICS)
+                             + f" | {arrived} |")  # fmt: skip
     lines += ["", "### Ratios EPD / peer and each / unsplit (median (min-max) over repeats; "
               "**bold**: the whole range on EPD's side of 1.0)", "",
               head.replace("configuration", "ratio"), rule]  # fmt: skip
@@ -440,8 +461,8 @@ def load_average() -> tuple[float, float, float]:
 
 
 __all__ = [
-    "CONFIGS", "DATASETS", "METRICS", "PEERS", "UNSPLIT", "VLLM_ENCODER",
+    "ARRIVALS", "CONFIGS", "DATASETS", "METRICS", "PEERS", "UNSPLIT", "VLLM_ENCODER",
     "Dataset", "Deployment", "Engine", "Point", "Results",
-    "bench_serve", "bench_serve_args", "deployed", "median_range", "metrics_of", "plot", "points", "ratios",
+    "arrivals", "bench_serve", "bench_serve_args", "deployed", "median_range", "metrics_of", "plot", "points", "ratios",
     "schedule", "table", "wins",
 ]  # fmt: skip

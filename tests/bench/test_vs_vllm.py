@@ -135,6 +135,22 @@ def test_metrics_and_summary_from_result_files() -> None:
 
 
 @pytest.mark.unit
+def test_arrivals_count_the_separate_moments_an_answer_streamed_tokens() -> None:
+    streamed = [0.004] * 15  # 16 tokens, one every 4 ms
+    burst = [0.0, 0.00002, 0.0] + [0.00001] * 12  # 16 tokens parsed from one read
+    two_reads = [0.0] * 7 + [0.050] + [0.0] * 7  # half the answer, then the rest 50 ms later
+    result = {"ttfts": [0.02, 0.3, 0.1, 0.0], "itls": [streamed, burst, two_reads, []]}  # the last one failed
+    assert vs_vllm.arrivals(result) == 2.0  # median of 16, 1, 2
+    assert vs_vllm.arrivals({"ttfts": [0.3], "itls": [burst]}) == 1.0
+    assert math.isnan(vs_vllm.arrivals({"median_ttft_ms": 1.0}))  # saved without --save-detailed
+    assert vs_vllm.metrics_of(result)["median_arrivals"] == 2.0
+    argv = vs_vllm.bench_serve_args(base_url="http://127.0.0.1:1", model="m", tokenizer="t",
+                                    dataset=vs_vllm.DATASETS["1img"], point=vs_vllm.Point("1img", 1, 1, seed=1),
+                                    result_dir=Path("r"), filename="f.json")  # fmt: skip
+    assert "--save-detailed" in argv  # the per-request gaps the count needs
+
+
+@pytest.mark.unit
 def test_the_proxy_shapes_each_stage_as_vllms_example_does() -> None:
     assert vllm_proxy.has_media(CHAT)
     assert not vllm_proxy.has_media({"messages": [{"role": "user", "content": "text only"}]})
