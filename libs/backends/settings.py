@@ -91,8 +91,9 @@ class EncoderBackendSettings(EngineSettings):
     cache_master: str = setting("", "Mooncake Store master (HOST:PORT) shared by encoders; empty: local cache only")
     encode_batch_items: int = setting(
         16,
-        "reference: most media items one tower forward takes from Encode calls that queued while the last one "
-        "ran (images only: videos and audio run per call); 1: one call per forward",
+        "most media items one tower forward takes: reference, from Encode calls that queued while the last one "
+        "ran (images only: videos and audio run per call; 1: one call per forward); vLLM, its max_num_seqs (one "
+        "request per item)",
     )
 
 

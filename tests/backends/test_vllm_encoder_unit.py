@@ -51,6 +51,11 @@ def test_the_encoder_settings_become_vllms_encoder_only_arguments() -> None:
     }
     assert "kv_transfer_config" not in args
     assert (args["dtype"], args["kv_cache_memory_bytes"]) == ("float32", 64 << 20)  # today's CPU values
+    assert args["max_num_seqs"] == 16  # items per tower step: --encode-batch-items, not the LM's --max-batch
+    fewer = load_settings(
+        EncoderBackendSettings, argv=["--engine", "vllm", "--model", "m", "--encode-batch-items", "4"], env={}
+    )
+    assert runtime.engine_args(fewer, failure_dir=FAILURES, ec_consumer=False, ec_producer=True)["max_num_seqs"] == 4
     assert registry.module_name("encoder", "vllm") == "libs.backends.vllm.encoder"
     with pytest.raises(ValueError, match="no colocated backend"):
         registry.module_name("colocated", "vllm")

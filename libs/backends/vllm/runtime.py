@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from libs.backends.identity import model_type, refusal
-from libs.backends.settings import EngineSettings
+from libs.backends.settings import EncoderBackendSettings, EngineSettings
 from libs.backends.vllm import engine_polling
 from libs.backends.vllm.plugin import WHISPER_ARCHITECTURE, WHISPER_LOGITS
 from libs.backends.vllm.shared_pool import SlotDescriptor
@@ -205,6 +205,10 @@ def engine_args(
         # the project's producer connector. No prefix caching: every item is encoded (and written).
         args["mm_encoder_only"] = True
         args["enable_prefix_caching"] = False
+        if isinstance(settings, EncoderBackendSettings):
+            # One item is one vLLM request here: the items one tower step takes are its sequences,
+            # bounded as the reference encoder's batches are (--encode-batch-items).
+            args["max_num_seqs"] = settings.encode_batch_items
         args["ec_transfer_config"] = dict(
             ec_connector="EpdECProducer",
             ec_connector_module_path=EC_PRODUCER_MODULE,
