@@ -240,9 +240,9 @@ def table(summary: dict[str, Any]) -> str:
         for config in CONFIGS:
             if config in point["configs"]:
                 m = point["configs"][config]
-                arrived = _cell(m[ARRIVALS[0]]) if ARRIVALS[0] in m else "-"  # a JSON from before the column
+                # A run from before the column reads "-" (no values: median_range's n is 0).
                 lines.append(f"| {name} | {config} | " + " | ".join(_cell(m[k]) for k, _, _ in METRICS)
-                             + f" | {arrived} |")  # fmt: skip
+                             + f" | {_cell(m[ARRIVALS[0]])} |")  # fmt: skip
     lines += ["", "### Ratios EPD / peer and each / unsplit (median (min-max) over repeats; "
               "**bold**: the whole range on EPD's side of 1.0)", "",
               head.replace("configuration", "ratio"), rule]  # fmt: skip
