@@ -92,8 +92,8 @@ class EncoderBackendSettings(EngineSettings):
     encode_batch_items: int = setting(
         16,
         "most media items one tower forward takes: reference, from Encode calls that queued while the last one "
-        "ran (images only: videos and audio run per call; 1: one call per forward); vLLM, its max_num_seqs (one "
-        "request per item)",
+        "ran (images only: videos and audio run per call; 1: one call per forward); vLLM, its max_num_seqs: the "
+        "Encode calls one step takes (one vLLM request per call)",
     )
 
 

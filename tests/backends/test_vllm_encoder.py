@@ -103,11 +103,16 @@ async def _encode_inline(
     media = media_pb2.MediaItem(modality=modality, data=data)
     if max_pixels is not None:
         media.processor_options.max_pixels = max_pixels
+    return await _encode_items(address, [media])
+
+
+async def _encode_items(address: str, media: list[media_pb2.MediaItem]) -> encoder_pb2.EncodeResponse:
+    """One Encode call for `media`, the embeddings inline."""
     async with open_channel(address) as channel:
         reply: encoder_pb2.EncodeResponse = await encoder_pb2_grpc.EncoderServiceStub(channel).Encode(
             encoder_pb2.EncodeRequest(
                 request_id=f"direct-{time.monotonic_ns()}",
-                items=[encoder_pb2.EncodeItem(item_index=0, media=media)],
+                items=[encoder_pb2.EncodeItem(item_index=i, media=m) for i, m in enumerate(media)],
                 accepted_transports=[tensor_pb2.TRANSPORT_KIND_INLINE],
             ),
             timeout=60,
@@ -182,6 +187,24 @@ def test_embeddings_equal_the_reference_encoder(
     assert item.layout == convert.item_layout_to_wire(ref.layout)  # the same layout metadata, field for field
     assert got.shape == ref.embeddings.shape
     assert torch.allclose(got, ref.embeddings, atol=ATOL, rtol=0), (got - ref.embeddings).abs().max().item()
+    _wait_empty(stack)
+
+
+def test_one_call_with_images_and_a_video_gives_each_item_its_own_embeddings(stack: Stack, model: Path) -> None:
+    """The call's items go to vLLM as one request (libs/backends/vllm/encoder.py), the modalities
+    interleaved: each item gets its own rows, in the call's order, equal to the reference encoder's
+    for that item alone."""
+    mix = MIXES["two_images"].media + MIXES["video"].media
+    media = [media_pb2.MediaItem(modality=m, data=d) for m, d in (mix[0], mix[2], mix[1])]
+    reply = run(_encode_items, _encoder(stack), media)
+    assert len(reply.items) == 3
+    for i, (item, sent) in enumerate(zip(reply.items, media, strict=True)):
+        (tensor,) = item.embeddings.tensors
+        got = torch.frombuffer(bytearray(tensor.inline_data), dtype=torch.float32).view(*tensor.spec.shape)
+        (ref,) = EncoderRunner(model).encode([convert.media_input(sent, i, sent.data)])
+        assert item.layout == convert.item_layout_to_wire(ref.layout), i
+        assert got.shape == ref.embeddings.shape, i
+        assert torch.allclose(got, ref.embeddings, atol=ATOL, rtol=0), (i, (got - ref.embeddings).abs().max().item())
     _wait_empty(stack)
 
 

@@ -4,17 +4,21 @@ to `--encode-batch-items` a step), and its worker writes every output into this 
 pool (`ec_producer.py`), where prefill READs it over NIXL as from the reference encoder: same
 `EncodeResponse`, layouts, specs, leases, stamps and checksums.
 
-Per `Encode` call, for each item (all items at once: vLLM batches them):
+Per `Encode` call (vLLM batches the items of concurrent calls in one tower step):
 1. resolve its bytes and compute its layout with the project's preprocessing (the contract's
    layout metadata; vLLM's output must match it row for row);
 2. reserve its slot in the shared pool (rows x width x dtype known from the layout) and clear the
    slot's stamp area;
-3. submit a one-item, encoder-only request to vLLM (the item's pixels resized by the project, so
-   the request's processor options hold and vLLM's grid is the layout's; one placeholder; a uuid
-   unique per request; the slot in `ec_transfer_params`) and wait for vLLM to finish it;
-4. check the worker's `written` mark (or its failure report: FAILED_PRECONDITION naming the item
-   when vLLM's rows or width differ from the layout), then publish the slot (lease, stamp,
-   checksums) - or, for an INLINE-only caller, copy the bytes into the handle and free it.
+3. submit one encoder-only request to vLLM for the whole call (the items' pixels resized by the
+   project, so the request's processor options hold and vLLM's grid is the layout's; one
+   placeholder per item, in item order; a uuid unique per item; the slots, in item order, in
+   `ec_transfer_params`) and wait for vLLM to finish it. One request per call, not per item: vLLM's
+   per-request work (tokenizing, processing, scheduling, output) is paid once, and its processor
+   takes the call's images as one batch;
+4. check each item's `written` mark (or, without it, the worker's failure report: FAILED_PRECONDITION
+   naming the item when vLLM's rows or width differ from the layout), then publish the slots
+   (lease, stamp, checksums) - or, for an INLINE-only caller, copy the bytes into the handles and
+   free them.
 If anything fails, every slot of the call is given back; a slot whose request may still be
 written by the worker (a cancel, an engine failure) is quarantined first (pool.py), not reused.
 
@@ -30,7 +34,6 @@ import shutil
 import tempfile
 import time
 import uuid as uuids
-from collections.abc import Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -109,19 +112,6 @@ def advertised_specs(adapter: Any, dtype: torch.dtype) -> list[eng.EmbeddingSpec
     ]
 
 
-async def _all_or_none(calls: Iterable[Coroutine[Any, Any, None]]) -> None:
-    """Run `calls` concurrently; the first failure cancels the others (vLLM aborts their requests)
-    and is raised once they ended."""
-    tasks = [asyncio.ensure_future(call) for call in calls]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
 class VllmEncoder(EncoderBackend):
     """`EncoderBackend` on vLLM's AsyncLLM (encoder-only)."""
 
@@ -176,7 +166,8 @@ class VllmEncoder(EncoderBackend):
         prepared = await asyncio.gather(*(asyncio.to_thread(self._prepare, m, i) for i, m in enumerate(media)))
         items: list[_Item] = []
         published: list[tensor_pb2.TensorHandle] = []
-        clean = True  # no vLLM request of this call may still write a slot (none submitted, or all finished)
+        clean = True  # vLLM's request for this call cannot write a slot any more (not submitted, or finished)
+        reported = True  # the worker may have left failure reports (until every item's mark is checked)
         try:
             for i, (layout, vllm_media) in enumerate(prepared):
                 items.append(self._reserve(producer, request.request_id, i, layout, vllm_media))
@@ -184,12 +175,13 @@ class VllmEncoder(EncoderBackend):
             clean = False
             try:
                 with stage("encoder.compute", "encode", **{"epd.engine": "vllm"}):
-                    await _all_or_none(self._run(request.request_id, i, item, deadline) for i, item in enumerate(items))
+                    await self._run(request.request_id, items, deadline)
             finally:
                 self._active -= 1
             clean = True
             for i, item in enumerate(items):
                 self._check_written(i, item)
+            reported = False  # every item has its mark, so none has a failure report
             nixl = tensor_pb2.TRANSPORT_KIND_NIXL in request.accepted_transports
             response = encoder_pb2.EncodeResponse()
             with stage("encoder.publish", "transfer"):
@@ -209,8 +201,9 @@ class VllmEncoder(EncoderBackend):
                 self._give_back(item, clean)
             raise
         finally:
-            for item in items:
-                failure_file(self._failure_dir, item.uuid).unlink(missing_ok=True)
+            if reported:
+                for item in items:
+                    failure_file(self._failure_dir, item.uuid).unlink(missing_ok=True)
 
     def _prepare(self, media: eng.MediaInput, position: int) -> tuple[eng.ItemLayout, Any]:
         """The item's layout (the project's preprocessing) and its media as vLLM takes it."""
@@ -254,34 +247,46 @@ class VllmEncoder(EncoderBackend):
         self.transport.agent.pool.buffer[start : start + STAMP_BYTES] = bytes(STAMP_BYTES)
         return _Item(layout, vllm_media, reservation, f"epd-enc-{uuids.uuid4().hex}")
 
-    async def _run(self, request_id: str, position: int, item: _Item, deadline: float | None) -> None:
+    async def _run(self, request_id: str, items: list[_Item], deadline: float | None) -> None:
+        """One encoder-only vLLM request for the call's items, run to its end."""
         pool_path = self.transport.agent.pool.share_path
         assert pool_path is not None, "the vLLM encoder's pool is shared"
-        slot = SlotDescriptor(
-            key=item.uuid,
-            request_id=request_id,
-            item=position,
-            pool_path=pool_path,
-            slot_offset=item.reservation.slot.offset,
-            rows=item.layout.rows,
-            dtype=str(self._dtype).removeprefix("torch."),
-            tensors=tuple((name, offset, self.adapter.hidden_size) for name, offset in item.reservation.placement()),
-        )
+        width = self.adapter.hidden_size
+        slots = [
+            SlotDescriptor(
+                key=item.uuid,
+                request_id=request_id,
+                item=position,
+                pool_path=pool_path,
+                slot_offset=item.reservation.slot.offset,
+                rows=item.layout.rows,
+                dtype=str(self._dtype).removeprefix("torch."),
+                tensors=tuple((name, offset, width) for name, offset in item.reservation.placement()),
+            ).to_dict()
+            for position, item in enumerate(items)
+        ]
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=1, extra_args={"ec_transfer_params": {"epd_slots": [slot.to_dict()]}})
-        kind = item.layout.modality.value
+        params = SamplingParams(max_tokens=1, extra_args={"ec_transfer_params": {"epd_slots": slots}})
+        # vLLM orders a request's items by their placeholders' positions: the prompt lists them in
+        # item order, so the worker's n-th item is the n-th slot (ec_producer.py).
+        data: dict[str, list[Any]] = {}
+        uuids: dict[str, list[str]] = {}
+        for item in items:
+            kind = item.layout.modality.value
+            data.setdefault(kind, []).append(item.media)
+            uuids.setdefault(kind, []).append(item.uuid)
         prompt = {
-            "prompt": _PROMPTS[item.layout.modality],
-            "multi_modal_data": {kind: item.media},
-            "multi_modal_uuids": {kind: [item.uuid]},
+            "prompt": "".join(_PROMPTS[item.layout.modality] for item in items),
+            "multi_modal_data": data,
+            "multi_modal_uuids": uuids,
+            # The pixels are the project's, already resized to the patch grid: vLLM's processor
+            # would size them again with its own pixel bounds (a different grid for a video, and
+            # for any item with the request's processor options).
+            "mm_processor_kwargs": {"do_resize": False},
         }
-        # The pixels are the project's, already resized to the patch grid: vLLM's processor would
-        # size them again with its own pixel bounds (a different grid for a video, and for any item
-        # with the request's processor options).
-        prompt["mm_processor_kwargs"] = {"do_resize": False}
         engine = self.supervisor.engine()
-        stream = engine.llm.generate(prompt, params, f"{request_id}-{position}-{item.uuid[-8:]}")
+        stream = engine.llm.generate(prompt, params, f"{request_id}-{items[0].uuid[-8:]}")
         try:
             while True:
                 out = await engine.next(stream, deadline)
@@ -293,6 +298,11 @@ class VllmEncoder(EncoderBackend):
             raise runtime.engine_error(exc) from exc
 
     def _check_written(self, position: int, item: _Item) -> None:
+        """The worker left the item's mark, or its report of why not (raised as its status)."""
+        start = item.reservation.slot.offset
+        mark = written_mark(item.uuid)
+        if bytes(self.transport.agent.pool.buffer[start : start + len(mark)]) == mark:
+            return
         failure = failure_file(self._failure_dir, item.uuid)
         if failure.is_file():
             import json
@@ -302,10 +312,7 @@ class VllmEncoder(EncoderBackend):
             if code == "FAILED_PRECONDITION":
                 raise FailedPrecondition(message)
             raise _internal(message or f"items[{position}]: vLLM's worker failed to write the item")
-        start = item.reservation.slot.offset
-        mark = written_mark(item.uuid)
-        if bytes(self.transport.agent.pool.buffer[start : start + len(mark)]) != mark:
-            raise _internal(f"items[{position}]: vLLM finished the request without writing the item's embeddings")
+        raise _internal(f"items[{position}]: vLLM finished the request without writing the item's embeddings")
 
     def _give_back(self, item: _Item, clean: bool) -> None:
         """Return an unpublished slot: at once when vLLM is done with it, after a quarantine when

@@ -206,8 +206,9 @@ def engine_args(
         args["mm_encoder_only"] = True
         args["enable_prefix_caching"] = False
         if isinstance(settings, EncoderBackendSettings):
-            # One item is one vLLM request here: the items one tower step takes are its sequences,
-            # bounded as the reference encoder's batches are (--encode-batch-items).
+            # One Encode call is one vLLM request here (all its items): the calls one tower step
+            # takes are its sequences, bounded by --encode-batch-items as the reference encoder's
+            # batches are (vLLM's token budget bounds their items further).
             args["max_num_seqs"] = settings.encode_batch_items
         args["ec_transfer_config"] = dict(
             ec_connector="EpdECProducer",
