@@ -1,6 +1,6 @@
 """The encoder on vLLM (the E role, `--engine vllm`): vLLM runs the checkpoint's vision tower
-encoder-only (`mm_encoder_only`), batching concurrent Encode calls' items in its own scheduler (up
-to `--encode-batch-items` a step), and its worker writes every output into this service's registered
+encoder-only (`mm_encoder_only`), batching concurrent Encode calls in its own scheduler (up to
+`--encode-batch-items` calls a step), and its worker writes every output into this service's registered
 pool (`ec_producer.py`), where prefill READs it over NIXL as from the reference encoder: same
 `EncodeResponse`, layouts, specs, leases, stamps and checksums.
 
