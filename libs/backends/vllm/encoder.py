@@ -167,7 +167,6 @@ class VllmEncoder(EncoderBackend):
         items: list[_Item] = []
         published: list[tensor_pb2.TensorHandle] = []
         clean = True  # vLLM's request for this call cannot write a slot any more (not submitted, or finished)
-        reported = True  # the worker may have left failure reports (until every item's mark is checked)
         try:
             for i, (layout, vllm_media) in enumerate(prepared):
                 items.append(self._reserve(producer, request.request_id, i, layout, vllm_media))
@@ -181,7 +180,6 @@ class VllmEncoder(EncoderBackend):
             clean = True
             for i, item in enumerate(items):
                 self._check_written(i, item)
-            reported = False  # every item has its mark, so none has a failure report
             nixl = tensor_pb2.TRANSPORT_KIND_NIXL in request.accepted_transports
             response = encoder_pb2.EncodeResponse()
             with stage("encoder.publish", "transfer"):
@@ -199,11 +197,9 @@ class VllmEncoder(EncoderBackend):
             producer.release(h.lease_id for h in published)
             for item in items:
                 self._give_back(item, clean)
+                # The worker reports an item it could not write (and marks every one it wrote).
+                failure_file(self._failure_dir, item.uuid).unlink(missing_ok=True)
             raise
-        finally:
-            if reported:
-                for item in items:
-                    failure_file(self._failure_dir, item.uuid).unlink(missing_ok=True)
 
     def _prepare(self, media: eng.MediaInput, position: int) -> tuple[eng.ItemLayout, Any]:
         """The item's layout (the project's preprocessing) and its media as vLLM takes it."""
