@@ -61,6 +61,8 @@ METRICS: tuple[tuple[str, str, bool], ...] = (
     ("p90_ttft_ms", "TTFT p90 (ms)", True),
     ("p99_ttft_ms", "TTFT p99 (ms)", True),
     ("median_tpot_ms", "TPOT p50 (ms)", True),
+    # The same over the answers that streamed (`streamed_tpot`): per token where both sides stream.
+    ("streamed_tpot_ms", "TPOT p50, streamed (ms)", True),
     # End to end per request: the fair per-request figure where a server sends its tokens in
     # bursts (TPOT then reads near 0 and TTFT carries the wait).
     ("median_e2el_ms", "E2E p50 (ms)", True),
@@ -73,6 +75,12 @@ METRICS: tuple[tuple[str, str, bool], ...] = (
 # then its TPOT reads ~0 while its TTFT carries the whole wait.
 ARRIVALS = ("median_arrivals", "arrivals/answer p50")
 ARRIVAL_GAP_S = 0.001  # a token read within 1 ms of the one before came in the same burst
+# The share of answers that streamed, shown beside the figures too (no ratio): an answer whose
+# tokens reached the client at this many separate moments or more streamed; one with fewer came in
+# one or two bursts (the usage chunk may trail a burst), its wait all in its TTFT.
+STREAMED = ("streamed_share", "streamed answers %")
+STREAMED_MIN_ARRIVALS = 3
+SIDE_COLUMNS = (ARRIVALS, STREAMED)
 
 
 @dataclass(frozen=True)
@@ -139,21 +147,49 @@ def bench_serve_args(
     ]  # fmt: skip
 
 
-def arrivals(result: dict[str, Any]) -> float:
-    """The median over answered requests of their token arrivals (`--save-detailed`'s per-request
-    inter-token gaps, seconds; NaN without them)."""
-    counts = [
-        1 + sum(1 for gap in gaps if gap >= ARRIVAL_GAP_S)
-        for ttft, gaps in zip(result.get("ttfts") or [], result.get("itls") or [], strict=False)
+def _answers(result: dict[str, Any]) -> list[tuple[int, float, float, int]]:
+    """Per answered request (`--save-detailed`'s lists; none without them): its token arrivals
+    (separate moments, gaps of `ARRIVAL_GAP_S` or more), TTFT and latency (s), output tokens."""
+    details = zip(result.get("ttfts") or [], result.get("itls") or [], result.get("latencies") or [],
+                  result.get("output_lens") or [], strict=False)  # fmt: skip
+    return [
+        (1 + sum(1 for gap in gaps if gap >= ARRIVAL_GAP_S), ttft, latency, tokens)
+        for ttft, gaps, latency, tokens in details
         if ttft and ttft > 0
     ]
+
+
+def arrivals(result: dict[str, Any]) -> float:
+    """The median over answered requests of their token arrivals (NaN without the details)."""
+    counts = [count for count, *_ in _answers(result)]
     return float(statistics.median(counts)) if counts else math.nan
+
+
+def streamed_share(result: dict[str, Any]) -> float:
+    """The share of answered requests, in percent, that streamed (`STREAMED_MIN_ARRIVALS`)."""
+    answers = _answers(result)
+    streamed = sum(1 for count, *_ in answers if count >= STREAMED_MIN_ARRIVALS)
+    return 100.0 * streamed / len(answers) if answers else math.nan
+
+
+def streamed_tpot(result: dict[str, Any]) -> float:
+    """bench serve's TPOT, (latency - TTFT) / (output tokens - 1) in ms, median over the answers
+    that streamed only: a burst answer reads ~0 there while its TTFT carries its wait, so bench
+    serve's own TPOT p50 of a server that bursts half its answers says little per token."""
+    tpots = [
+        1000.0 * (latency - ttft) / (tokens - 1)
+        for count, ttft, latency, tokens in _answers(result)
+        if count >= STREAMED_MIN_ARRIVALS and tokens > 1
+    ]
+    return float(statistics.median(tpots)) if tpots else math.nan
 
 
 def metrics_of(result: dict[str, Any]) -> dict[str, float]:
     """The metrics this benchmark reports, from one bench serve result JSON (NaN when absent)."""
     out = {key: float(result.get(key, math.nan)) for key, _, _ in METRICS}
+    out["streamed_tpot_ms"] = streamed_tpot(result)
     out[ARRIVALS[0]] = arrivals(result)
+    out[STREAMED[0]] = streamed_share(result)
     out["completed"] = float(result.get("completed", 0))
     out["failed"] = float(result.get("failed", 0))
     return out
@@ -205,7 +241,7 @@ class Results:
                     point = out.setdefault(f"{dataset}@c{conc}", {"configs": {}, "vs_peer": {}, "vs_unsplit": {}})
                     point["configs"][config] = {
                         key: median_range(self.values(config, dataset, conc, key))
-                        for key in (*(key for key, _, _ in METRICS), ARRIVALS[0])
+                        for key in (*(key for key, _, _ in METRICS), *(key for key, _ in SIDE_COLUMNS))
                     }
                     peer = PEERS.get(config)
                     for target, name in (
@@ -235,14 +271,16 @@ def table(summary: dict[str, Any]) -> str:
     """Markdown: each point's configurations (median (min-max) over repeats), then the ratios."""
     head = "| point | configuration | " + " | ".join(label for _, label, _ in METRICS) + " |"
     rule = "|---|---|" + "---|" * len(METRICS)
-    lines = ["### Figures (median (min-max) over repeats)", "", f"{head} {ARRIVALS[1]} |", f"{rule}---|"]
+    side_head = " | ".join(label for _, label in SIDE_COLUMNS)
+    side_rule = "---|" * len(SIDE_COLUMNS)
+    lines = ["### Figures (median (min-max) over repeats)", "", f"{head} {side_head} |", rule + side_rule]
     for name, point in summary.items():
         for config in CONFIGS:
             if config in point["configs"]:
                 m = point["configs"][config]
-                # A run from before the column reads "-" (no values: median_range's n is 0).
-                lines.append(f"| {name} | {config} | " + " | ".join(_cell(m[k]) for k, _, _ in METRICS)
-                             + f" | {_cell(m[ARRIVALS[0]])} |")  # fmt: skip
+                # A run from before a column reads "-" there (no values: median_range's n is 0).
+                cells = [_cell(m[k]) for k, _, _ in METRICS] + [_cell(m[k]) for k, _ in SIDE_COLUMNS]
+                lines.append(f"| {name} | {config} | " + " | ".join(cells) + " |")
     lines += ["", "### Ratios EPD / peer and each / unsplit (median (min-max) over repeats; "
               "**bold**: the whole range on EPD's side of 1.0)", "",
               head.replace("configuration", "ratio"), rule]  # fmt: skip
@@ -464,5 +502,5 @@ __all__ = [
     "ARRIVALS", "CONFIGS", "DATASETS", "METRICS", "PEERS", "UNSPLIT", "VLLM_ENCODER",
     "Dataset", "Deployment", "Engine", "Point", "Results",
     "arrivals", "bench_serve", "bench_serve_args", "deployed", "median_range", "metrics_of", "plot", "points", "ratios",
-    "schedule", "table", "wins",
+    "schedule", "streamed_share", "streamed_tpot", "table", "wins",
 ]  # fmt: skip

@@ -134,16 +134,34 @@ def test_metrics_and_summary_from_result_files() -> None:
     assert tuned["median_ttft_ms"]["median"] == 2.0 and tuned["output_throughput"]["median"] == 1.0
 
 
+def _one_point_summary(result: dict[str, Any]) -> dict[str, Any]:
+    results = vs_vllm.Results()
+    results.add("epd-e+pd", vs_vllm.Point("1img", 1, 4, seed=1), vs_vllm.metrics_of(result))
+    return results.summary()
+
+
 @pytest.mark.unit
 def test_arrivals_count_the_separate_moments_an_answer_streamed_tokens() -> None:
     streamed = [0.004] * 15  # 16 tokens, one every 4 ms
     burst = [0.0, 0.00002, 0.0] + [0.00001] * 12  # 16 tokens parsed from one read
     two_reads = [0.0] * 7 + [0.050] + [0.0] * 7  # half the answer, then the rest 50 ms later
-    result = {"ttfts": [0.02, 0.3, 0.1, 0.0], "itls": [streamed, burst, two_reads, []]}  # the last one failed
+    result = {"ttfts": [0.02, 0.3, 0.1, 0.0], "itls": [streamed, burst, two_reads, []],  # the last one failed
+              "latencies": [0.08, 0.3002, 0.15, 0.0], "output_lens": [16, 16, 16, 0]}  # fmt: skip
     assert vs_vllm.arrivals(result) == 2.0  # median of 16, 1, 2
-    assert vs_vllm.arrivals({"ttfts": [0.3], "itls": [burst]}) == 1.0
+    assert vs_vllm.arrivals({"ttfts": [0.3], "itls": [burst], "latencies": [0.3], "output_lens": [16]}) == 1.0
     assert math.isnan(vs_vllm.arrivals({"median_ttft_ms": 1.0}))  # saved without --save-detailed
-    assert vs_vllm.metrics_of(result)["median_arrivals"] == 2.0
+    metrics = vs_vllm.metrics_of(result)
+    assert metrics["median_arrivals"] == 2.0
+    # One answer of the three streamed: its TPOT alone, (0.08 - 0.02) s / 15 tokens = 4 ms.
+    assert metrics["streamed_share"] == pytest.approx(100 / 3)
+    assert metrics["streamed_tpot_ms"] == pytest.approx(4.0)
+    three_reads = [0.0] * 4 + [0.010] + [0.0] * 4 + [0.020] + [0.0] * 5  # three moments: streamed
+    more = {**result, "ttfts": [*result["ttfts"], 0.05], "itls": [*result["itls"], three_reads],
+            "latencies": [*result["latencies"], 0.2], "output_lens": [*result["output_lens"], 16]}  # fmt: skip
+    assert vs_vllm.streamed_share(more) == 50.0
+    assert vs_vllm.streamed_tpot(more) == pytest.approx((4.0 + 10.0) / 2)  # (0.2 - 0.05) s / 15 = 10 ms
+    assert math.isnan(vs_vllm.streamed_tpot({"ttfts": [0.3], "itls": [burst], "latencies": [0.3], "output_lens": [16]}))
+    assert "33.3" in vs_vllm.table(_one_point_summary(result))  # the share beside the figures
     argv = vs_vllm.bench_serve_args(base_url="http://127.0.0.1:1", model="m", tokenizer="t",
                                     dataset=vs_vllm.DATASETS["1img"], point=vs_vllm.Point("1img", 1, 1, seed=1),
                                     result_dir=Path("r"), filename="f.json")  # fmt: skip
