@@ -3,9 +3,10 @@ measured by vLLM's own client (`vllm bench serve`), each configuration alone on 
 
 Configurations (same checkpoint, same requests: `bench serve --seed`):
 
-- `epd-e+pd`, `epd-e/p/d`: EPD on vLLM (the reference encoder) behind `services/openai_door`;
-  `epd-e+pd-vllmenc`, `epd-e/p/d-vllmenc`: the same with the encoder on vLLM too
-  (`services/encoder --engine vllm`);
+- `epd-e+pd`, `epd-e/p/d`: EPD on vLLM (the reference encoder) behind its OpenAI door, served by
+  the router's process (`--openai-port`); `epd-e+pd-vllmenc`, `epd-e/p/d-vllmenc`: the same with
+  the encoder on vLLM too (`services/encoder --engine vllm`); `epd-e+pd-doorproc`,
+  `epd-e/p/d-doorproc`: the door as a process of its own (`services/openai_door`, before 2026-12-04);
 - `vllm-e+pd`: vLLM's own E+PD as it documents it: an encoder-only `vllm serve` (EC producer,
   ECExampleConnector on a shared directory under var/) and a PD `vllm serve` (EC consumer), behind
   `libs.bench.vllm_proxy` (what vLLM's example EPD proxy does);
@@ -44,14 +45,16 @@ from libs.launch.stack import Stack, StackSpec
 
 CONFIGS = (
     "epd-e+pd", "epd-e+pd-vllmenc", "vllm-e+pd", "vllm-unsplit", "epd-e/p/d", "epd-e/p/d-vllmenc", "vllm-e/p/d",
-    "vllm-e+pd-uni", "vllm-e/p/d-uni", "vllm-unsplit-uni",
+    "vllm-e+pd-uni", "vllm-e/p/d-uni", "vllm-unsplit-uni", "epd-e+pd-doorproc", "epd-e/p/d-doorproc",
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
+DOOR_PROCESS = "-doorproc"  # suffix: EPD's door as a process of its own (else the router serves it)
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
 PEERS = {
     "epd-e+pd": "vllm-e+pd", "epd-e+pd-vllmenc": "vllm-e+pd",
     "epd-e/p/d": "vllm-e/p/d", "epd-e/p/d-vllmenc": "vllm-e/p/d",
+    "epd-e+pd-doorproc": "vllm-e+pd", "epd-e/p/d-doorproc": "vllm-e/p/d",
 }  # fmt: skip
 UNSPLIT = "vllm-unsplit"
 
@@ -418,11 +421,13 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
     run_dir.mkdir(parents=True, exist_ok=True)
     name = model.name
     if config.startswith("epd-"):
-        vllm_encoder = config.endswith(VLLM_ENCODER)
-        layout = config.removeprefix("epd-").removesuffix(VLLM_ENCODER)
+        door_process = config.endswith(DOOR_PROCESS)
+        vllm_encoder = config.removesuffix(DOOR_PROCESS).endswith(VLLM_ENCODER)
+        layout = config.removeprefix("epd-").removesuffix(DOOR_PROCESS).removesuffix(VLLM_ENCODER)
         spec = StackSpec(layout=layout, encoders=1, model=model, run_dir=run_dir, engine="vllm",
                          encoder_engine="vllm" if vllm_encoder else "reference",
-                         ready_timeout_s=ready_timeout_s, openai_door=True)  # fmt: skip
+                         ready_timeout_s=ready_timeout_s, openai_door=True,
+                         door_in_router=not door_process)  # fmt: skip
         with Stack(spec).running() as stack:
             dep = Deployment(config, stack.door_url.removesuffix("/v1"), name, stack=stack,
                              note="vLLM encoder" if vllm_encoder else "reference encoder")  # fmt: skip
@@ -499,7 +504,7 @@ def load_average() -> tuple[float, float, float]:
 
 
 __all__ = [
-    "ARRIVALS", "CONFIGS", "DATASETS", "METRICS", "PEERS", "UNSPLIT", "VLLM_ENCODER",
+    "ARRIVALS", "CONFIGS", "DATASETS", "DOOR_PROCESS", "METRICS", "PEERS", "UNSPLIT", "VLLM_ENCODER",
     "Dataset", "Deployment", "Engine", "Point", "Results",
     "arrivals", "bench_serve", "bench_serve_args", "deployed", "median_range", "metrics_of", "plot", "points", "ratios",
     "schedule", "streamed_share", "streamed_tpot", "table", "wins",

@@ -153,9 +153,9 @@ def load_settings(
 
 
 def _check_ranges(settings: Any) -> None:
-    for name in ("port", "metrics_port", "health_port"):
+    for name in ("port", "metrics_port", "health_port", "openai_port"):
         port = getattr(settings, name, 0)
-        if not 0 <= port <= 65535:
+        if not (0 <= port <= 65535 or (name == "openai_port" and port == -1)):
             raise SettingsError(f"{flag_name(name)}: {port} is not a TCP port")
     chunk = getattr(settings, "prefill_chunk_tokens", 1)
     if chunk < 1:

@@ -96,14 +96,18 @@ class ServiceProcess:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def wait_ready(self, timeout_s: float) -> str:
-        """Block until the service printed its address; return it."""
+    def wait_ready(self, timeout_s: float, listener: str | None = None) -> str:
+        """Block until the service printed its address; return it. `listener`: the address of
+        that named second listener of the process instead (the router's `openai_door`)."""
         assert self.process is not None
         deadline = time.monotonic() + timeout_s
+        pattern = _LISTENING if listener is None else re.compile(rf"^{listener} listening on (\S+:\d+)$", re.MULTILINE)
         while time.monotonic() < deadline:
             with self.log_path.open("rb") as log:
                 log.seek(self._log_offset)
-                match = _LISTENING.search(log.read().decode(errors="replace"))
+                match = pattern.search(log.read().decode(errors="replace"))
+            if match and listener is not None:
+                return match.group(1)
             if match:
                 self.address = match.group(1)
                 self.ready_at = time.monotonic()

@@ -76,6 +76,9 @@ class StackSpec:
     # The OpenAI-compatible HTTP door (services/openai_door) in front of the router (or the
     # colocated service); `Stack.door_url` is its base URL.
     openai_door: bool = False
+    # ... served by the router's own process (`--openai-port`: no gRPC hop per token) instead of a
+    # process of its own; disaggregated layouts only (the colocated service has no door of its own).
+    door_in_router: bool = False
 
 
 def replica_names(role: str, replicas: int) -> list[str]:
@@ -103,6 +106,8 @@ class Stack:
             raise ValueError("a vLLM encoder runs in a disaggregated layout (e+pd, e/p/d), not colocated")
         if spec.encoder_engine == "vllm" and (why := encoder_refusal(spec.model)) is not None:
             raise ValueError(why)
+        if spec.door_in_router and spec.layout == "colocated":
+            raise ValueError("the colocated layout has no router to serve the door: door_in_router needs e+pd or e/p/d")
         if spec.engine == "vllm" and spec.layout == "colocated":
             raise ValueError("the vLLM engine serves PD (E+PD) or prefill and decode (E/P/D), not the colocated layout")
         if (why := refusal(spec.engine, model_type(spec.model), spec.layout)) is not None:
@@ -219,10 +224,18 @@ class Stack:
                 router_args += ["--pd", ",".join(p.address for p in backends)]
             if self.store is not None:
                 router_args += ["--cache-master", self.store.master_address]
+            in_router = spec.openai_door and spec.door_in_router
+            if in_router:
+                port = self._port_args()[1] if spec.fixed_ports else "0"
+                router_args += ["--openai-port", port, "--model", str(spec.model)]
             router = self._process("router", "services.router", router_args)
             router.start()
             self.address = router.wait_ready(max(1.0, remaining - (time.monotonic() - started)))
-            self._start_door(max(1.0, remaining - (time.monotonic() - started)))
+            if in_router:
+                door = router.wait_ready(max(1.0, remaining - (time.monotonic() - started)), listener="openai_door")
+                self.door_url = self._door_url(door)
+            else:
+                self._start_door(max(1.0, remaining - (time.monotonic() - started)))
             return self.address
         except BaseException:
             self.down()
@@ -234,8 +247,10 @@ class Stack:
         args = ["--router", self.address, "--model", str(self.spec.model)]
         door = self._process("openai_door", "services.openai_door", args)
         door.start()
-        address = door.wait_ready(timeout_s)
-        self.door_url = f"{'https' if self.spec.tls else 'http'}://{address}/v1"
+        self.door_url = self._door_url(door.wait_ready(timeout_s))
+
+    def _door_url(self, address: str) -> str:
+        return f"{'https' if self.spec.tls else 'http'}://{address}/v1"
 
     def down(self) -> dict[str, int | None]:
         """Stop the front doors first (no new work), then the back ends; returns exit statuses."""

@@ -52,6 +52,10 @@ class ServiceParts:
     public: bool = False
     # Bearer tokens a public server accepts (empty: none needed).
     tokens: frozenset[str] = frozenset()
+    # Awaited once the server listens and its line is out: a second listener of the process (the
+    # router's OpenAI door), which prints its own "<name> listening on HOST:PORT" line. Raising
+    # stops the service.
+    after_listening: Callable[[], Awaitable[None]] | None = None
 
 
 async def serve(name: str, settings: CommonSettings, parts: ServiceParts, grace_s: float) -> None:
@@ -77,6 +81,8 @@ async def serve(name: str, settings: CommonSettings, parts: ServiceParts, grace_
         parts.fatal(server.fail)
     print(f"{name} listening on {server.address}", flush=True)
     try:
+        if parts.after_listening is not None:
+            await parts.after_listening()
         await server.wait_for_termination(parts.drain)
     finally:
         if parts.close is not None:

@@ -20,6 +20,7 @@ from libs.contract.epd.v1 import (
     prefill_pb2_grpc,
     service_info_pb2,
 )
+from libs.door.server import DoorHttpSettings
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.drain import drainer
@@ -31,12 +32,14 @@ from services.router.cache_lookup import CacheLookup
 from services.router.core import Router
 from services.router.handshake import BackendChecks
 from services.router.membership import MembershipError, encoder_pool, member_pool
+from services.router.openai import with_door
 from services.router.warmup import tiny_png
 
 
 @dataclasses.dataclass(frozen=True)
-class RouterSettings(ClientAuthSettings, CommonSettings):
-    """Router: client-facing Generate over encoders and prefill/decode (E/P/D) or PD (E+PD)."""
+class RouterSettings(DoorHttpSettings, ClientAuthSettings, CommonSettings):
+    """Router: client-facing Generate over encoders and prefill/decode (E/P/D) or PD (E+PD), and
+    with --openai-port the OpenAI-compatible HTTP API too (the door's settings: --model, ...)."""
 
     layout: Literal["e/p/d", "e+pd"] = setting("e/p/d", "deployment layout behind the router")
     encoders: tuple[str, ...] = setting(
@@ -70,6 +73,11 @@ class RouterSettings(ClientAuthSettings, CommonSettings):
     )
     max_request_s: float = setting(
         600.0, "longest a request may take, in seconds: the deadline of calls that set none (or a longer one)"
+    )
+    openai_port: int = setting(
+        -1,
+        "also serve the OpenAI-compatible HTTP API (the OpenAI door, in this process: no gRPC hop per token) on "
+        "HOST:PORT; 0 picks a free one; -1: none",
     )
 
 
@@ -184,7 +192,8 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     if settings.warm_up:
         # Before the server listens: launchers send traffic once it does (bounded; failures logged).
         await router.warm_up(list(pool.outstanding), tiny_png())
-    return client_facing(parts, settings)
+    parts = client_facing(parts, settings)
+    return with_door(parts, settings, router, admission) if settings.openai_port >= 0 else parts
 
 
 def main() -> None:

@@ -9,13 +9,13 @@ import socket
 
 import pytest
 
-from services.openai_door.service import _bind
+from libs.door.server import bind
 
 pytestmark = pytest.mark.unit
 
 
 def test_accepted_connections_send_without_nagle() -> None:
-    listener = _bind("127.0.0.1", 0)
+    listener = bind("127.0.0.1", 0)
     try:
         listener.setblocking(True)
         with socket.create_connection(listener.getsockname()[:2], timeout=5) as client:

@@ -13,6 +13,14 @@ from libs.client.openai import chat, errors, responses, transcription
 from libs.client.openai.errors import ApiError
 from libs.client.openai.fields import parse
 from libs.contract.epd.v1 import generate_pb2, generation_pb2, media_pb2
+from libs.contract.errors import (
+    DeadlineExceeded,
+    EpdError,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from libs.contract.grpc_status import ERROR_FIELD_METADATA_KEY
 from libs.contract.reasons import STATUS_DETAILS_KEY, Reason, status_details
 
@@ -210,6 +218,29 @@ def test_field_and_reason_travel_into_the_error() -> None:
     moved = errors.relocate(error, ["messages[0].content[0].image_url.url", "messages[0].content[2].video_url.url"])
     assert moved.param == "messages[0].content[2].video_url.url"
     assert errors.relocate(error, []).param == "epd.media item 1"
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [
+        InvalidArgument("media item 1", "not an image"),
+        Unavailable("draining", reason=Reason.DRAINING),
+        ResourceExhausted("router is full", reason=Reason.OVERLOADED),
+        ResourceExhausted("Received message larger than max (9 vs. 8)"),
+        DeadlineExceeded("deadline passed while waiting for router"),
+        FailedPrecondition("version mismatch"),
+    ],
+    ids=lambda e: type(e).__name__ + (f"-{e.reason.name}" if e.reason else ""),
+)
+def test_an_error_raised_in_the_doors_process_reads_as_its_status_over_grpc(raised: EpdError) -> None:
+    """The router's door (`from_error`) answers a typed error as the process door answers the
+    status the router's gRPC server sends for it (`from_rpc`): status, code, field, Retry-After."""
+    trailers: list[tuple[str, str | bytes]] = []
+    if isinstance(raised, InvalidArgument):
+        trailers.append((ERROR_FIELD_METADATA_KEY, raised.field))
+    if raised.reason is not None:
+        trailers.append((STATUS_DETAILS_KEY, status_details(raised.code, raised.message, raised.reason)))
+    assert errors.from_error(raised) == errors.from_rpc(_rpc_error(raised.code, raised.message, tuple(trailers)))
 
 
 def test_transcription_form() -> None:

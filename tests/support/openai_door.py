@@ -1,5 +1,6 @@
-"""The OpenAI door in tests: one door process in front of a running router, a gRPC request as the
-same OpenAI messages (media as data URLs, audio as input_audio), a client leaving mid-stream."""
+"""The OpenAI door in tests: one door process in front of a running router (or a router serving the
+door itself), a gRPC request as the same OpenAI messages (media as data URLs, audio as
+input_audio), a client leaving mid-stream."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from libs.contract.epd.v1 import chat_pb2, generate_pb2, media_pb2
 from libs.launch.process import ServiceProcess
+from libs.launch.stack import Stack
 
 MIME = {media_pb2.MODALITY_IMAGE: "image/png", media_pb2.MODALITY_VIDEO: "video/mp4"}
 _PART = {media_pb2.MODALITY_IMAGE: "image_url", media_pb2.MODALITY_VIDEO: "video_url"}
@@ -44,6 +46,32 @@ def running_door(
     finally:
         status = process.stop()
         assert status == 0, f"door exited with {status}:\n{process.log_tail()}"
+
+
+@contextmanager
+def router_with_door(
+    stack: Stack, model: Path | str, log_dir: Path, *extra: str, env: Mapping[str, str] | None = None
+) -> Iterator[str]:
+    """A second router over `stack`'s backends (its router's arguments) serving the door too
+    (`--openai-port 0`); yields the door's HOST:PORT and stops the router (exit 0) by PID."""
+    args = list(stack.processes["router"].args)
+    if "--port" in args:  # a fixed-ports stack: this router takes a port of its own
+        at = args.index("--port")
+        del args[at : at + 2]
+    process = ServiceProcess(
+        name="router-door",
+        module="services.router",
+        args=[*args, "--openai-port", "0", "--model", str(model), *extra],
+        log_path=log_dir / "router-door.log",
+        env=dict(env or {}),
+    )
+    process.start()
+    try:
+        process.wait_ready(60)
+        yield process.wait_ready(60, listener="openai_door")
+    finally:
+        status = process.stop()
+        assert status == 0, f"router exited with {status}:\n{process.log_tail()}"
 
 
 def openai_messages(

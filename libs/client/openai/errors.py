@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from libs.contract.errors import EpdError, InvalidArgument
 from libs.contract.grpc_status import ERROR_FIELD_METADATA_KEY
 from libs.contract.reasons import Reason, reason_of
 
@@ -79,20 +80,29 @@ def from_rpc(exc: grpc.aio.AioRpcError) -> ApiError:
     """The OpenAI error for a failed `Generate` call; the field the server named (trailer
     `epd-error-field`) becomes `param`, prefixed `epd.` because it is a path in the gRPC request."""
     code = exc.code()
-    message = exc.details() or code.name
+    trailers: Iterable[Any] = exc.trailing_metadata() or ()
+    field = next((str(v) for k, v in trailers if k == ERROR_FIELD_METADATA_KEY and isinstance(v, str)), None)
+    return _from_status(code, exc.details() or code.name, field, reason_of(exc))
+
+
+def from_error(exc: EpdError) -> ApiError:
+    """The OpenAI error for a typed error raised by the router in the door's own process: what
+    `from_rpc` makes of the status the router's gRPC server would have answered with it."""
+    field = exc.field if isinstance(exc, InvalidArgument) else None
+    return _from_status(exc.code, exc.message, field, exc.reason)
+
+
+def _from_status(code: grpc.StatusCode, message: str, field: str | None, reason: Reason | None) -> ApiError:
     status = _HTTP_BY_CODE.get(code, 500)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(m in message for m in _TOO_LARGE_MARKERS):
         status = 413
-    trailers: Iterable[Any] = exc.trailing_metadata() or ()
-    param = next((str(v) for k, v in trailers if k == ERROR_FIELD_METADATA_KEY and isinstance(v, str)), None)
-    reason = reason_of(exc)
     headers = {}
     if status == 429 or (status == 503 and reason in (Reason.DRAINING, Reason.ENGINE_RESTARTING, Reason.OVERLOADED)):
         headers["Retry-After"] = str(RETRY_AFTER_S)
     return ApiError(
         status,
         message,
-        param=f"epd.{param}" if param else None,
+        param=f"epd.{field}" if field else None,
         code=reason.value.lower() if reason is not None else code.name.lower(),
         headers=headers,
     )

@@ -21,7 +21,6 @@ from typing import Any, TypeVar, cast
 import fastapi
 import structlog
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -33,10 +32,10 @@ from libs.client.openai.errors import ApiError
 from libs.client.openai.fields import parse
 from libs.contract.chunks import merge_responses
 from libs.contract.epd.v1 import generate_pb2, generation_pb2, media_pb2
+from libs.door.calls import GenerateCall
+from libs.door.calls import responses as choice_responses
 from libs.fetch import FetchClient, MediaFetchError
 from libs.rpc.coalesce import coalesced
-from services.openai_door.calls import Caller
-from services.openai_door.calls import responses as choice_responses
 
 T = TypeVar("T")
 _log = structlog.get_logger("openai_door")
@@ -58,7 +57,7 @@ class DoorConfig:
 class Rendering:
     """How one endpoint answers: its calls, whole or streamed, and its OpenAI objects."""
 
-    caller: Caller
+    token: str | None  # the client's bearer token, passed on to the router
     n: int  # choices
     stream: bool
     include_usage: bool  # a last chunk with the usage and no choices (stream_options.include_usage)
@@ -127,7 +126,7 @@ async def _unless_disconnected(request: fastapi.Request, work: Awaitable[T]) -> 
 
 
 def create_app(
-    config: DoorConfig, caller: Caller, fetch: FetchClient, health: Callable[[], Awaitable[bool]]
+    config: DoorConfig, generate: GenerateCall, fetch: FetchClient, health: Callable[[], Awaitable[bool]]
 ) -> fastapi.FastAPI:
     app = fastapi.FastAPI(title="EPD OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics()
@@ -249,7 +248,7 @@ def create_app(
         if not render.stream:
 
             async def whole() -> dict[str, Any]:
-                async for index, response in choice_responses(render.caller, await prepared()):
+                async for index, response in choice_responses(generate, await prepared(), render.token):
                     add(index, response)
                 return render.whole(choices)
 
@@ -262,9 +261,8 @@ def create_app(
         try:
             with trace.use_span(span):
                 # A client that lags gets the tokens that queued up meanwhile as one event.
-                stream = coalesced(
-                    choice_responses(render.caller, await _unless_disconnected(request, prepared())), _same_choice
-                )
+                calls = choice_responses(generate, await _unless_disconnected(request, prepared()), render.token)
+                stream = coalesced(calls, _same_choice)
                 head = await _unless_disconnected(request, anext(stream, None))
         except BaseException as exc:
             span.end()
@@ -316,7 +314,7 @@ def create_app(
             ]
 
         render = Rendering(
-            caller=Caller(caller.stub, caller.timeout_s, token),
+            token=token,
             n=body.n,
             stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -345,7 +343,7 @@ def create_app(
 
         with_logprobs = body.logprobs is not None
         render = Rendering(
-            caller=Caller(caller.stub, caller.timeout_s, token),
+            token=token,
             n=body.n,
             stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -379,14 +377,14 @@ def create_app(
         parsed = transcription.parse_form(dict(form.items()), audio, mime)
         check_model(parsed.model)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        call = Caller(caller.stub, caller.timeout_s, token)
         with _tracer.start_as_current_span(
             "POST /v1/audio/transcriptions", context=span_context, kind=SpanKind.SERVER
         ) as span:
 
             async def whole() -> list[tuple[list[int], str]]:
                 got = []
-                async for _, response in choice_responses(call, [transcription.request_for(parsed, request_id)]):
+                one = [transcription.request_for(parsed, request_id)]
+                async for _, response in choice_responses(generate, one, token):
                     got.append((list(response.chunk.token_ids), response.chunk.text))
                 return got
 
@@ -449,11 +447,3 @@ def whisper_vocab(checkpoint: Path) -> SpeechVocab | None:
     if begin is None:
         return None
     return SpeechVocab(begin + 1, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)))
-
-
-async def router_health(stub: health_pb2_grpc.HealthStub) -> bool:
-    try:
-        reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-    except Exception:
-        return False
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

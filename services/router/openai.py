@@ -1,0 +1,111 @@
+"""The OpenAI door served by the router's own process (`--openai-port`): the door's application
+(libs/door) over `Router.generate`, with no gRPC hop and no second process between them.
+
+Behind the door a request meets what a `Generate` call meets in the router's gRPC server: the
+same admission (one bound for both doors), a deadline (`max_request_s`), a
+`GenerateService/Generate` span (the root `epd trace report` reads, a child of the door's HTTP
+span), request ids on log lines, and typed errors answered as the OpenAI errors their gRPC statuses
+become (the span records the status the call would have had: `rpc.grpc.status_code`). Bearer
+tokens are the door's to check (the router's own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING
+
+import grpc
+import structlog
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from libs.client.openai.errors import ApiError, from_error
+from libs.contract.epd.v1 import generate_pb2
+from libs.contract.errors import EpdError
+from libs.door.calls import GenerateCall
+from libs.door.server import DoorServer
+from libs.rpc.admission import Admission
+from libs.rpc.main import ServiceParts
+from libs.telemetry.logging import bind_request
+from libs.telemetry.stages import ATTRIBUTION
+from services.router.core import Router
+
+if TYPE_CHECKING:
+    from services.router.service import RouterSettings
+
+SPAN = "GenerateService/Generate"  # the name the gRPC server's span has (libs/telemetry/propagation.py)
+_tracer = trace.get_tracer("epd.router")
+_log = structlog.get_logger("router")
+
+
+def in_process(router: Router, admission: Admission, max_request_s: float) -> GenerateCall:
+    """`Generate` as the door calls it, straight into the router."""
+
+    async def call(
+        request: generate_pb2.GenerateRequest, token: str | None
+    ) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
+        deadline = time.monotonic() + max_request_s
+        with _tracer.start_as_current_span(SPAN, attributes={ATTRIBUTION: "service"}) as span:
+            try:
+                with bind_request(request.request_id or "-"):
+                    async with admission.slot(deadline, request.priority):
+                        async for response in router.generate(request, deadline):
+                            yield response
+            except EpdError as exc:
+                _ended(span, exc.code)
+                raise from_error(exc) from None
+            except (GeneratorExit, asyncio.CancelledError):  # the client left (the door closed the call)
+                _ended(span, grpc.StatusCode.CANCELLED)
+                raise
+            except Exception:  # details to the log, not to the client (as gRPC's INTERNAL)
+                _log.exception("unhandled error in Generate (OpenAI door)")
+                _ended(span, grpc.StatusCode.INTERNAL)
+                raise ApiError(500, "internal error in Generate", code="internal") from None
+
+    return call
+
+
+def with_door(parts: ServiceParts, settings: RouterSettings, router: Router, admission: Admission) -> ServiceParts:
+    """The router's server parts with the door beside them: it opens once the gRPC server listens
+    (its own "openai_door listening on HOST:PORT" line follows the router's), takes no new
+    connections once the router drains (its open requests finish within the drain, in the same
+    admission), and stops before the router's resources close."""
+    door = DoorServer(
+        settings,
+        in_process(router, admission, settings.max_request_s),
+        lambda: _serving(admission),
+        tokens=parts.tokens,
+        tls_cert=settings.tls_cert,
+        tls_key=settings.tls_key,
+        grace_s=settings.grace_s,
+    )
+    drain, close = parts.drain, parts.close
+
+    async def open_door() -> None:
+        address = await door.start(settings.host, settings.openai_port)
+        print(f"openai_door listening on {address}", flush=True)
+
+    async def closing(grace_s: float) -> None:
+        door.shutdown()
+        if drain is not None:
+            await drain(grace_s)
+
+    async def closed() -> None:
+        await door.stop()
+        if close is not None:
+            await close()
+
+    return dataclasses.replace(parts, after_listening=open_door, drain=closing, close=closed)
+
+
+def _ended(span: trace.Span, code: grpc.StatusCode) -> None:
+    """The status the call would have ended with over gRPC, as the gRPC server's span records it."""
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    span.set_status(Status(StatusCode.ERROR, code.name))
+
+
+async def _serving(admission: Admission) -> bool:
+    return not admission.closed  # the door's /health: 503 once the router drains
