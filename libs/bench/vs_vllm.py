@@ -7,6 +7,8 @@ Configurations (same checkpoint, same requests: `bench serve --seed`):
   the router's process (`--openai-port`); `epd-e+pd-vllmenc`, `epd-e/p/d-vllmenc`: the same with
   the encoder on vLLM too (`services/encoder --engine vllm`); `epd-e+pd-doorproc`,
   `epd-e/p/d-doorproc`: the door as a process of its own (`services/openai_door`, before 2026-12-04);
+  `epd-e+pd-uvloop`, `epd-e/p/d-uvloop`: every EPD service on uvloop's event loop (as vLLM's server);
+  `epd-e/p/d-dgate`: the router starts no prefill its decode has no slot for (`--decode-in-flight`);
 - `vllm-e+pd`: vLLM's own E+PD as it documents it: an encoder-only `vllm serve` (EC producer,
   ECExampleConnector on a shared directory under var/) and a PD `vllm serve` (EC consumer), behind
   `libs.bench.vllm_proxy` (what vLLM's example EPD proxy does);
@@ -46,15 +48,20 @@ from libs.launch.stack import Stack, StackSpec
 CONFIGS = (
     "epd-e+pd", "epd-e+pd-vllmenc", "vllm-e+pd", "vllm-unsplit", "epd-e/p/d", "epd-e/p/d-vllmenc", "vllm-e/p/d",
     "vllm-e+pd-uni", "vllm-e/p/d-uni", "vllm-unsplit-uni", "epd-e+pd-doorproc", "epd-e/p/d-doorproc",
+    "epd-e+pd-uvloop", "epd-e/p/d-uvloop", "epd-e/p/d-dgate",
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
 DOOR_PROCESS = "-doorproc"  # suffix: EPD's door as a process of its own (else the router serves it)
+UVLOOP = "-uvloop"  # suffix: every EPD service on uvloop's event loop (`--event-loop uvloop`)
+DECODE_GATE = "-dgate"  # suffix: the router starts no prefill its decode has no slot for (`--decode-in-flight`)
+DECODE_SLOTS = 8  # the decode's batch as EPD runs vLLM (`--max-batch`, vLLM's max_num_seqs)
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
 PEERS = {
     "epd-e+pd": "vllm-e+pd", "epd-e+pd-vllmenc": "vllm-e+pd",
     "epd-e/p/d": "vllm-e/p/d", "epd-e/p/d-vllmenc": "vllm-e/p/d",
     "epd-e+pd-doorproc": "vllm-e+pd", "epd-e/p/d-doorproc": "vllm-e/p/d",
+    "epd-e+pd-uvloop": "vllm-e+pd", "epd-e/p/d-uvloop": "vllm-e/p/d", "epd-e/p/d-dgate": "vllm-e/p/d",
 }  # fmt: skip
 UNSPLIT = "vllm-unsplit"
 
@@ -421,13 +428,16 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
     run_dir.mkdir(parents=True, exist_ok=True)
     name = model.name
     if config.startswith("epd-"):
-        door_process = config.endswith(DOOR_PROCESS)
-        vllm_encoder = config.removesuffix(DOOR_PROCESS).endswith(VLLM_ENCODER)
-        layout = config.removeprefix("epd-").removesuffix(DOOR_PROCESS).removesuffix(VLLM_ENCODER)
+        variant = config.removeprefix("epd-")
+        door_process, uvloop, gate = (variant.endswith(s) for s in (DOOR_PROCESS, UVLOOP, DECODE_GATE))
+        variant = variant.removesuffix(DOOR_PROCESS).removesuffix(UVLOOP).removesuffix(DECODE_GATE)
+        vllm_encoder = variant.endswith(VLLM_ENCODER)
+        layout = variant.removesuffix(VLLM_ENCODER)
         spec = StackSpec(layout=layout, encoders=1, model=model, run_dir=run_dir, engine="vllm",
                          encoder_engine="vllm" if vllm_encoder else "reference",
-                         ready_timeout_s=ready_timeout_s, openai_door=True,
-                         door_in_router=not door_process)  # fmt: skip
+                         ready_timeout_s=ready_timeout_s, openai_door=True, door_in_router=not door_process,
+                         env={"EPD_EVENT_LOOP": "uvloop"} if uvloop else {},
+                         extra_args={"router": ["--decode-in-flight", str(DECODE_SLOTS)]} if gate else {})  # fmt: skip
         with Stack(spec).running() as stack:
             dep = Deployment(config, stack.door_url.removesuffix("/v1"), name, stack=stack,
                              note="vLLM encoder" if vllm_encoder else "reference encoder")  # fmt: skip
@@ -504,7 +514,8 @@ def load_average() -> tuple[float, float, float]:
 
 
 __all__ = [
-    "ARRIVALS", "CONFIGS", "DATASETS", "DOOR_PROCESS", "METRICS", "PEERS", "UNSPLIT", "VLLM_ENCODER",
+    "ARRIVALS", "CONFIGS", "DATASETS", "DECODE_GATE", "DOOR_PROCESS", "METRICS", "PEERS", "UNSPLIT", "UVLOOP",
+    "VLLM_ENCODER",
     "Dataset", "Deployment", "Engine", "Point", "Results",
     "arrivals", "bench_serve", "bench_serve_args", "deployed", "median_range", "metrics_of", "plot", "points", "ratios",
     "schedule", "streamed_share", "streamed_tpot", "table", "wins",

@@ -90,6 +90,12 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
         help="also start the OpenAI-compatible HTTP door in front of the router (default: on)",
     )
     parser.add_argument(
+        "--door-in-router",
+        action="store_true",
+        help="serve the OpenAI door from the router's process (its --openai-port: one process and one relay "
+        "per token less) instead of a process of its own; e+pd and e/p/d",
+    )
+    parser.add_argument(
         "--tls",
         action="store_true",
         default=None,
@@ -104,6 +110,9 @@ _DESCRIBED = ("layout", "encoders", "engine", "encoder_engine", "model", "cache_
 
 def _described_spec(ns: argparse.Namespace, env: dict[str, str]) -> StackSpec:
     given = [f"--{name.replace('_', '-')}" for name in _DESCRIBED if getattr(ns, name) is not None]
+    if ns.door_in_router:
+        raise SystemExit("epd: --door-in-router cannot be combined with --config: a description's openai_door role "
+                         "runs as a process of its own (its port, its settings)")  # fmt: skip
     if given:
         raise SystemExit(f"epd: {', '.join(given)} cannot be combined with --config: set it in {ns.config}")
     try:
@@ -119,6 +128,12 @@ def _described_spec(ns: argparse.Namespace, env: dict[str, str]) -> StackSpec:
         ready_timeout_s=420.0 if "vllm" in (spec.engine, spec.encoder_engine) else 120.0,
         openai_door=spec.openai_door and ns.openai_door,
     )
+
+
+def _door_in_router(ns: argparse.Namespace, layout: str) -> bool:
+    if ns.door_in_router and layout == "colocated":
+        raise SystemExit("epd: --door-in-router needs a router (the e+pd or e/p/d layout), not colocated")
+    return bool(ns.door_in_router)
 
 
 def _spec(ns: argparse.Namespace) -> StackSpec:
@@ -155,6 +170,7 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
         encoder_engine=encoder_engine,
         ready_timeout_s=420.0 if "vllm" in (engine, encoder_engine) else 120.0,
         openai_door=ns.openai_door,
+        door_in_router=_door_in_router(ns, layout),
     )
 
 

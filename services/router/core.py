@@ -61,10 +61,16 @@ class Router:
         cache: CacheLookup | None = None,
         stages: Stages | None = None,
         encode_in_flight: int = 64,
+        decode_in_flight: int = 0,
     ) -> None:
         self._limits = limits or Limits()
         self._leases = Leases(backends.lease)
-        self._clients = StageClients(backends, stages or Stages.single(backends), encode_in_flight=encode_in_flight)
+        self._clients = StageClients(
+            backends,
+            stages or Stages.single(backends),
+            encode_in_flight=encode_in_flight,
+            decode_in_flight=decode_in_flight,
+        )
         self._dispatch = EncodeDispatch(self._clients, encoders, self._leases, cache or CacheLookup(None), self._limits)
         self._transcriber = Transcriber(self._dispatch, self._clients, self._leases)
         self._checks = backends.checks

@@ -66,6 +66,12 @@ class RouterSettings(DoorHttpSettings, ClientAuthSettings, CommonSettings):
         "Encode calls sent to one encoder at once; more wait in the router (keep it within the encoders' "
         "--max-running + --max-waiting, 80 by default, so admitted requests are not refused there)",
     )
+    decode_in_flight: int = setting(
+        0,
+        "e/p/d: requests between the start of their prefill and the end of their decode, per decode member; more "
+        "wait before prefill (in their time to first token, not between tokens in a decode queue). Set it to the "
+        "decode's --max-running (vLLM: its batch, --max-batch); 0: no bound",
+    )
     # Off by default: the warm-up's encode counts as a computed item in the encoders' metrics and
     # caches; `epd up`/`epd demo` and the benchmarks turn it on (EPD_WARM_UP=true).
     warm_up: bool = setting(
@@ -159,7 +165,14 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     memberships.append(membership)
     for each in memberships:
         each.start()
-    router = Router(backends, pool, cache=cache, stages=stages, encode_in_flight=settings.encode_in_flight)
+    router = Router(
+        backends,
+        pool,
+        cache=cache,
+        stages=stages,
+        encode_in_flight=settings.encode_in_flight,
+        decode_in_flight=settings.decode_in_flight,
+    )
     admission = Admission("router", settings.max_running, settings.max_waiting)
     info = service_info_pb2.ServiceInfo(
         contract_version=version.current(),

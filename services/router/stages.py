@@ -7,16 +7,21 @@
   stage), bounded by the router's own admission: requests it admitted are not refused by an
   encoder queue they overflow (several items per request at high concurrency).
 - `prefill_and_decode`: the request's messages (media parts already replaced by their `encoded`
-  parts) go to prefill; its KV cache goes to any decode. The request's `RequestState` holds the
-  embeddings until prefill (or PD) acks them, and the KV until decode acks it. A prefill, decode or
-  PD member that refuses before its first token is replaced as the policy says; a consumer gone
-  mid-stream cancels the member's call (it would generate on to max_tokens). A failure leaves as
-  `RpcFailed` naming the stage; a decode that streamed nothing says so (`kv_unread`).
+  parts) go to prefill; its KV cache goes to any decode. With `decode_in_flight`, at most that
+  many requests per decode member are between the start of their prefill and the end of their
+  decode: the others wait before prefill, in their time to first token, not between their first
+  and second tokens in the decode's queue (SGLang's decode pre-allocates for the same reason). The
+  request's `RequestState` holds the embeddings until prefill (or PD) acks them, and the KV until
+  decode acks it. A prefill, decode or PD member that refuses before its first token is replaced
+  as the policy says; a consumer gone mid-stream cancels the member's call (it would generate on
+  to max_tokens). A failure leaves as `RpcFailed` naming the stage; a decode that streamed nothing
+  says so (`kv_unread`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
@@ -47,6 +52,58 @@ _log = structlog.get_logger(__name__)
 Reply = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
 
 
+class Slots:
+    """At most `capacity()` holders at once (read at each acquire), waiting in arrival order;
+    `what` names a slot in the error of a wait the deadline ends."""
+
+    def __init__(self, capacity: Callable[[], int], what: str) -> None:
+        self._capacity = capacity
+        self._what = what
+        self._held = 0
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for granted in self._waiting if not granted.done())
+
+    @contextlib.asynccontextmanager
+    async def held(self, queue_stage: str, deadline: float | None) -> AsyncGenerator[None, None]:
+        """One slot for the body; a wait is a `queue_stage` span, bounded by `deadline`."""
+        if self._held < self._capacity() and not self._waiting:
+            self._held += 1
+        else:
+            with stage(queue_stage, "queue"):
+                await self._wait(deadline)
+        try:
+            yield
+        finally:
+            self._held -= 1
+            self._wake()
+
+    async def _wait(self, deadline: float | None) -> None:
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(granted)
+        try:
+            async with asyncio.timeout(remaining(deadline)):
+                await asyncio.shield(granted)
+        except BaseException as exc:
+            if granted.done() and not granted.cancelled():
+                self._held -= 1  # granted just as the wait ended: pass the slot on
+                self._wake()
+            else:
+                granted.cancel()
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded(f"request deadline passed waiting for {self._what}") from None
+            raise
+
+    def _wake(self) -> None:
+        while self._waiting and self._held < self._capacity():
+            granted = self._waiting.popleft()
+            if not granted.done():  # skip those that gave up
+                self._held += 1
+                granted.set_result(None)
+
+
 def _usage(reply: Any) -> generation_pb2.Usage | None:
     return reply.usage if reply.HasField("usage") else None
 
@@ -54,13 +111,24 @@ def _usage(reply: Any) -> generation_pb2.Usage | None:
 class StageClients:
     """Calls to the encoders and to the prefill/decode (or PD) members."""
 
-    def __init__(self, backends: Backends, stages: Stages, *, encode_in_flight: int = 64) -> None:
+    def __init__(
+        self, backends: Backends, stages: Stages, *, encode_in_flight: int = 64, decode_in_flight: int = 0
+    ) -> None:
         if encode_in_flight < 1:
             raise ValueError("encode_in_flight must be >= 1")
+        if decode_in_flight < 0:
+            raise ValueError("decode_in_flight must be >= 0 (0: no bound)")
         self.backends = backends
         self.stages = stages
         self.encode_in_flight = encode_in_flight
         self._encode_slots: dict[str, asyncio.Semaphore] = {}
+        decode = stages.decode
+        # Read at each request: a discovered decode pool grows and shrinks.
+        self._decode_slots = (
+            Slots(lambda: decode_in_flight * max(1, decode.size if decode is not None else 1), "a decode slot")
+            if decode_in_flight
+            else None
+        )
 
     @contextlib.asynccontextmanager
     async def _encode_slot(self, address: str, deadline: float | None) -> AsyncGenerator[None, None]:
@@ -173,6 +241,22 @@ class StageClients:
             span.end()
 
     async def _split(
+        self,
+        messages: list[chat_pb2.ChatMessage],
+        request: generate_pb2.GenerateRequest,
+        state: RequestState,
+        deadline: float | None,
+    ) -> AsyncGenerator[Reply, None]:
+        slot = (
+            contextlib.nullcontext()
+            if self._decode_slots is None
+            else self._decode_slots.held("router.decode_queue", deadline)
+        )
+        async with slot, contextlib.aclosing(self._prefill_then_decode(messages, request, state, deadline)) as replies:
+            async for reply in replies:
+                yield reply
+
+    async def _prefill_then_decode(
         self,
         messages: list[chat_pb2.ChatMessage],
         request: generate_pb2.GenerateRequest,

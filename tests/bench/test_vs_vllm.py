@@ -65,6 +65,9 @@ def test_every_epd_configuration_has_vllms_deployment_of_its_layout_as_peer() ->
         "epd-e/p/d-vllmenc": "vllm-e/p/d",
         "epd-e+pd-doorproc": "vllm-e+pd",
         "epd-e/p/d-doorproc": "vllm-e/p/d",
+        "epd-e+pd-uvloop": "vllm-e+pd",
+        "epd-e/p/d-uvloop": "vllm-e/p/d",
+        "epd-e/p/d-dgate": "vllm-e/p/d",
     }
     assert all(peer in vs_vllm.CONFIGS for peer in vs_vllm.PEERS.values())
 

@@ -400,3 +400,23 @@ def test_epd_up_flags_and_a_stack_refuse_whisper_split_on_vllm(tmp_path: Path) -
     with pytest.raises(ValueError, match="whisper checkpoint is refused in the e/p/d layout"):
         Stack(StackSpec(layout="e/p/d", encoders=1, model=model, run_dir=tmp_path, engine="vllm"))
     Stack(StackSpec(layout="e+pd", encoders=1, model=model, run_dir=tmp_path, engine="vllm"))  # served there
+
+
+@pytest.mark.unit
+def test_the_door_in_the_router_needs_a_router_and_no_description(tmp_path: Path) -> None:
+    from libs.cli.main import _spec, build_parser
+    from libs.launch.stack import Stack, StackSpec
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_omni"}))
+
+    def spec(*flags: str) -> StackSpec:
+        return _spec(build_parser().parse_args(["up", "--model", str(tmp_path), "--run-dir", str(tmp_path), *flags]))
+
+    assert spec("--layout", "e+pd", "--door-in-router").door_in_router
+    assert not spec("--layout", "e+pd").door_in_router  # the door as a process of its own by default
+    with pytest.raises(SystemExit, match="--door-in-router needs a router"):
+        spec("--layout", "colocated", "--door-in-router")
+    with pytest.raises(SystemExit, match="--door-in-router cannot be combined with --config"):
+        spec("--config", str(tmp_path / "stack.yaml"), "--door-in-router")
+    with pytest.raises(ValueError, match="door_in_router needs e\\+pd or e/p/d"):
+        Stack(StackSpec(layout="colocated", model=tmp_path, run_dir=tmp_path, openai_door=True, door_in_router=True))

@@ -24,13 +24,15 @@ from libs.contract.epd.v1 import (
     layout_pb2,
     prefill_decode_pb2,
 )
-from libs.contract.errors import FailedPrecondition, InvalidArgument, Unavailable
+from libs.contract.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from libs.contract.validation import RAW_PROMPT_CAPABILITY, SAMPLING_CAPABILITY
 from services.router.backends import Backends
 from services.router.core import Router
 from services.router.encoders import EncoderPool
+from services.router.failover import ANSWER_MARGIN_S
 from services.router.policy import RpcFailed
 from services.router.pool import MemberPool
+from services.router.stages import Slots
 from tests.support.router_checks import PassingChecks
 from tests.support.router_harness import Encoder, Harness, Leases, StreamCall, image_request, rpc_error
 
@@ -601,3 +603,64 @@ def test_a_job_waiting_for_an_encoder_slot_past_its_deadline_fails_and_the_slot_
         return await h.tokens(image_request(1))  # the one slot is free again: not lost to the timeout
 
     assert asyncio.run(run()) == [7, 8, 9]
+
+
+def test_decode_slots_hold_prefills_until_a_decode_ends() -> None:
+    """`decode_in_flight`: a request whose decode would queue waits before its prefill (its time to
+    first token), and starts once a decode ends."""
+    h = Harness(decode_in_flight=1)
+    slots = h.router._clients._decode_slots
+    assert slots is not None
+
+    async def run() -> tuple[list[int], list[int], int]:
+        h.decode.gate = asyncio.Event()
+        async with asyncio.timeout(30):
+            first = asyncio.create_task(h.tokens(image_request(1)))
+            while not h.decode.requests:  # the first request decodes, held at the gate
+                await asyncio.sleep(0)
+            second = asyncio.create_task(h.tokens(image_request(1)))
+            while not slots.waiting:  # the second waits for the slot
+                await asyncio.sleep(0)
+            prefills_while_held = len(h.prefill.requests)
+            h.decode.gate.set()
+            return await first, await second, prefills_while_held
+
+    first, second, prefills_while_held = asyncio.run(run())
+    assert first == second == [7, 8, 9]
+    assert prefills_while_held == 1
+    assert len(h.prefill.requests) == 2 and slots.waiting == 0
+
+
+def test_decode_slots_keep_order_honour_deadlines_and_pass_on_a_cancelled_wait() -> None:
+    async def run() -> None:
+        capacity = 1
+        slots = Slots(lambda: capacity, "a decode slot")
+        order: list[str] = []
+
+        async def hold(name: str, release: asyncio.Event, deadline: float | None = None) -> None:
+            async with slots.held("router.decode_queue", deadline):
+                order.append(name)
+                await release.wait()
+
+        releases = {n: asyncio.Event() for n in "abcd"}
+        a = asyncio.create_task(hold("a", releases["a"]))
+        b = asyncio.create_task(hold("b", releases["b"]))
+        c = asyncio.create_task(hold("c", releases["c"]))
+        while slots.waiting < 2:
+            await asyncio.sleep(0)
+        b.cancel()  # a wait given up: its turn passes on
+        with pytest.raises(DeadlineExceeded, match="a decode slot"):
+            await hold("d", releases["d"], deadline=time.monotonic() + ANSWER_MARGIN_S + 0.2)  # held throughout
+        releases["a"].set()
+        releases["c"].set()
+        await asyncio.gather(a, c)
+        assert b.cancelled() and order == ["a", "c"]
+        capacity = 2  # read at each acquire (a decode pool that grew)
+        both = [asyncio.create_task(hold(n, releases[n])) for n in "bd"]
+        while len(order) < 4:
+            await asyncio.sleep(0)
+        releases["b"].set()
+        releases["d"].set()
+        await asyncio.gather(*both)
+
+    asyncio.run(run())

@@ -132,6 +132,7 @@ class Decode:
         self.fail_first = list(fail_first)  # the first calls fail with these, before streaming
         self.requests: list[decode_pb2.DecodeRequest] = []
         self.calls: list[StreamCall] = []
+        self.gate: asyncio.Event | None = None  # set: every stream waits for it before its tokens
 
     def Decode(self, request: decode_pb2.DecodeRequest, timeout: float | None = None, **_: Any) -> StreamCall:
         self.requests.append(request)
@@ -143,6 +144,8 @@ class Decode:
                 raise rpc_error(grpc.StatusCode.UNAVAILABLE, "decode lost its KV")
             if fail is not None:
                 raise rpc_error(fail, f"lease {request.kv_cache.handle.lease_id} expired 10.6 s ago")
+            if self.gate is not None:
+                await self.gate.wait()
             for token in (8, 9):
                 yield decode_pb2.DecodeResponse(chunk=generation_pb2.TokenChunk(token_ids=[token]))
             yield decode_pb2.DecodeResponse(
@@ -175,8 +178,14 @@ class Harness:
         )
         self.pool = EncoderPool(list(self.encoders), slack=kw.get("slack", 0))
         self.stages = Stages.single(backends)
-        in_flight = kw.get("encode_in_flight", 64)
-        self.router = Router(backends, self.pool, cache=kw.get("cache"), stages=self.stages, encode_in_flight=in_flight)
+        self.router = Router(
+            backends,
+            self.pool,
+            cache=kw.get("cache"),
+            stages=self.stages,
+            encode_in_flight=kw.get("encode_in_flight", 64),
+            decode_in_flight=kw.get("decode_in_flight", 0),
+        )
 
     async def tokens(self, request: generate_pb2.GenerateRequest) -> list[int]:
         out: list[int] = []
