@@ -9,6 +9,9 @@ Configurations (same checkpoint, same requests: `bench serve --seed`):
   `epd-e/p/d-doorproc`: the door as a process of its own (`services/openai_door`, before 2026-12-04);
   `epd-e+pd-uvloop`, `epd-e/p/d-uvloop`: every EPD service on uvloop's event loop (as vLLM's server);
   `epd-e/p/d-dgate`: the router starts no prefill its decode has no slot for (`--decode-in-flight`);
+  `epd-e+pd-traced`, `epd-e/p/d-traced`: every EPD service recording its spans (JSONL exporter, a file
+  under the run directory; the others export none and so record none, as vLLM without
+  `--otlp-traces-endpoint`);
 - `vllm-e+pd`: vLLM's own E+PD as it documents it: an encoder-only `vllm serve` (EC producer,
   ECExampleConnector on a shared directory under var/) and a PD `vllm serve` (EC consumer), behind
   `libs.bench.vllm_proxy` (what vLLM's example EPD proxy does);
@@ -48,13 +51,14 @@ from libs.launch.stack import Stack, StackSpec
 CONFIGS = (
     "epd-e+pd", "epd-e+pd-vllmenc", "vllm-e+pd", "vllm-unsplit", "epd-e/p/d", "epd-e/p/d-vllmenc", "vllm-e/p/d",
     "vllm-e+pd-uni", "vllm-e/p/d-uni", "vllm-unsplit-uni", "epd-e+pd-doorproc", "epd-e/p/d-doorproc",
-    "epd-e+pd-uvloop", "epd-e/p/d-uvloop", "epd-e/p/d-dgate",
+    "epd-e+pd-uvloop", "epd-e/p/d-uvloop", "epd-e/p/d-dgate", "epd-e+pd-traced", "epd-e/p/d-traced",
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
 DOOR_PROCESS = "-doorproc"  # suffix: EPD's door as a process of its own (else the router serves it)
 UVLOOP = "-uvloop"  # suffix: every EPD service on uvloop's event loop (`--event-loop uvloop`)
 DECODE_GATE = "-dgate"  # suffix: the router starts no prefill its decode has no slot for (`--decode-in-flight`)
+TRACED = "-traced"  # suffix: every EPD service records its spans (JSONL exporter)
 DECODE_SLOTS = 8  # the decode's batch as EPD runs vLLM (`--max-batch`, vLLM's max_num_seqs)
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
 PEERS = {
@@ -62,6 +66,7 @@ PEERS = {
     "epd-e/p/d": "vllm-e/p/d", "epd-e/p/d-vllmenc": "vllm-e/p/d",
     "epd-e+pd-doorproc": "vllm-e+pd", "epd-e/p/d-doorproc": "vllm-e/p/d",
     "epd-e+pd-uvloop": "vllm-e+pd", "epd-e/p/d-uvloop": "vllm-e/p/d", "epd-e/p/d-dgate": "vllm-e/p/d",
+    "epd-e+pd-traced": "vllm-e+pd", "epd-e/p/d-traced": "vllm-e/p/d",
 }  # fmt: skip
 UNSPLIT = "vllm-unsplit"
 
@@ -429,14 +434,18 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
     name = model.name
     if config.startswith("epd-"):
         variant = config.removeprefix("epd-")
-        door_process, uvloop, gate = (variant.endswith(s) for s in (DOOR_PROCESS, UVLOOP, DECODE_GATE))
-        variant = variant.removesuffix(DOOR_PROCESS).removesuffix(UVLOOP).removesuffix(DECODE_GATE)
+        door_process, uvloop, gate, traced = (variant.endswith(s) for s in (DOOR_PROCESS, UVLOOP, DECODE_GATE, TRACED))
+        for suffix in (DOOR_PROCESS, UVLOOP, DECODE_GATE, TRACED):
+            variant = variant.removesuffix(suffix)
+        env = {"EPD_EVENT_LOOP": "uvloop"} if uvloop else {}
+        if traced:
+            env |= {"EPD_TRACE_EXPORTER": "jsonl", "EPD_TRACE_FILE": str(run_dir / "spans.jsonl")}
         vllm_encoder = variant.endswith(VLLM_ENCODER)
         layout = variant.removesuffix(VLLM_ENCODER)
         spec = StackSpec(layout=layout, encoders=1, model=model, run_dir=run_dir, engine="vllm",
                          encoder_engine="vllm" if vllm_encoder else "reference",
                          ready_timeout_s=ready_timeout_s, openai_door=True, door_in_router=not door_process,
-                         env={"EPD_EVENT_LOOP": "uvloop"} if uvloop else {},
+                         env=env,
                          extra_args={"router": ["--decode-in-flight", str(DECODE_SLOTS)]} if gate else {})  # fmt: skip
         with Stack(spec).running() as stack:
             dep = Deployment(config, stack.door_url.removesuffix("/v1"), name, stack=stack,
@@ -514,7 +523,7 @@ def load_average() -> tuple[float, float, float]:
 
 
 __all__ = [
-    "ARRIVALS", "CONFIGS", "DATASETS", "DECODE_GATE", "DOOR_PROCESS", "METRICS", "PEERS", "UNSPLIT", "UVLOOP",
+    "ARRIVALS", "CONFIGS", "DATASETS", "DECODE_GATE", "DOOR_PROCESS", "METRICS", "PEERS", "TRACED", "UNSPLIT", "UVLOOP",
     "VLLM_ENCODER",
     "Dataset", "Deployment", "Engine", "Point", "Results",
     "arrivals", "bench_serve", "bench_serve_args", "deployed", "median_range", "metrics_of", "plot", "points", "ratios",

@@ -3,6 +3,11 @@
 The resource names the service (`service.name`, `service.version`, `service.instance.id`);
 the exporter is chosen by configuration: none, a local JSONL file (the embedded default used by
 `make run`), OTLP/gRPC to any collector, or the console.
+
+With no exporter nothing is recorded: spans cost what the API's no-op ones do, not the SDK's work
+for spans that would be dropped at the end. The trace context still flows (log lines keep their
+trace ids), marked not sampled, so the processes downstream record nothing for these requests
+either: as everywhere in OpenTelemetry, the process where a request starts decides (head sampling).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, DEFAULT_ON
 
 EXPORTERS = ("none", "jsonl", "otlp", "console")
 
@@ -92,8 +98,8 @@ def configure_tracing(
     resource = Resource.create(
         {"service.name": service_name, "service.version": service_version, "service.instance.id": instance_id}
     )
-    provider = TracerProvider(resource=resource)
     span_exporter = make_exporter(exporter, trace_file, otlp_endpoint)
+    provider = TracerProvider(resource=resource, sampler=DEFAULT_ON if span_exporter is not None else ALWAYS_OFF)
     if span_exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(span_exporter))
     if set_global:
@@ -102,18 +108,16 @@ def configure_tracing(
 
 
 def configure_metrics(service_name: str, prometheus_port: int = 0, host: str = "127.0.0.1") -> None:
-    """Install a meter provider; with `prometheus_port` > 0, serve /metrics on host:port (the
-    service's own listening address: loopback by default, the pod's address in Kubernetes)."""
+    """With `prometheus_port` > 0, install a meter provider and serve /metrics on host:port (the
+    service's own listening address: loopback by default, the pod's address in Kubernetes); with
+    none, the API's no-op instruments stay (nothing would read what they aggregate)."""
+    if prometheus_port <= 0:
+        return
     from opentelemetry import metrics
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from opentelemetry.sdk.metrics import MeterProvider
+    from prometheus_client import start_http_server
 
-    readers = []
-    if prometheus_port > 0:
-        from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from prometheus_client import start_http_server
-
-        start_http_server(prometheus_port, addr=host)
-        readers.append(PrometheusMetricReader())
-    metrics.set_meter_provider(
-        MeterProvider(resource=Resource.create({"service.name": service_name}), metric_readers=readers)
-    )
+    start_http_server(prometheus_port, addr=host)
+    resource = Resource.create({"service.name": service_name})
+    metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[PrometheusMetricReader()]))

@@ -76,9 +76,12 @@ class Router:
         self._checks = backends.checks
 
     async def generate(
-        self, request: generate_pb2.GenerateRequest, deadline: float | None = None
+        self, request: generate_pb2.GenerateRequest, deadline: float | None = None, coalesce: bool = True
     ) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
-        """Stream the reply to `request`; `deadline` is a `time.monotonic()` instant."""
+        """Stream the reply to `request`; `deadline` is a `time.monotonic()` instant. With `coalesce`,
+        a reader that lags gets what queued up meanwhile as one response (a gRPC client); without,
+        one response per chunk, for a reader that relays them merged itself (the door in this
+        process: one relay task per request, not two)."""
         validate_generate_request(request, self._limits)
         state = RequestState(request.request_id or uuid.uuid4().hex, request.priority)
         root = trace.get_current_span()  # the server span of this Generate call
@@ -94,8 +97,8 @@ class Router:
         started_ns = getattr(root, "start_time", None) or time.time_ns()
         first_token = True
         try:
-            # A client (or the door) that lags gets what queued up as one message, not one per token.
-            async with contextlib.aclosing(coalesced(self._run(request, state, deadline), merge_replies)) as replies:
+            run = self._run(request, state, deadline)
+            async with contextlib.aclosing(coalesced(run, merge_replies) if coalesce else run) as replies:
                 async for chunk, usage in replies:
                     if chunk.token_ids and first_token:
                         root.set_attribute("epd.ttft_s", (time.time_ns() - started_ns) / 1e9)

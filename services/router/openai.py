@@ -52,7 +52,8 @@ def in_process(router: Router, admission: Admission, max_request_s: float) -> Ge
             try:
                 with bind_request(request.request_id or "-"):
                     async with admission.slot(deadline, request.priority):
-                        async for response in router.generate(request, deadline):
+                        # The door relays what queues up merged (libs/door/app.py): no second relay.
+                        async for response in router.generate(request, deadline, coalesce=False):
                             yield response
             except EpdError as exc:
                 _ended(span, exc.code)

@@ -2,7 +2,8 @@
 
 Deploys the configuration as the benchmark does (libs/bench/vs_vllm.py), warms it up, then runs one
 `vllm bench serve` point while py-spy samples every process of the deployment (children too: vLLM's
-EngineCore) at 50 Hz. Writes, under OUT: one collapsed-stack file per process (`<pid>.txt`, py-spy's
+EngineCore) (50 Hz unless
+`--rate`). Writes, under OUT: one collapsed-stack file per process (`<pid>.txt`, py-spy's
 raw format: flame graphs, or `--top`), `pids.json`, and `summary.json` (the point's metrics and the
 CPU seconds each process used during it). Needs py-spy (`pip install py-spy`; it reads the processes
 from outside, so their own CPU time is barely changed, though the host's spare time is).
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=160)
     parser.add_argument("--dataset", default="1img", choices=list(vs_vllm.DATASETS))
     parser.add_argument("--seconds", type=int, default=60, help="py-spy's bound (it stops when the load ends)")
+    parser.add_argument("--rate", type=int, default=50, help="py-spy's samples per second")
     parser.add_argument("--out", default="var/prof")
     parser.add_argument("--top", default="", help="print the top frames of one collapsed-stack file and exit")
     ns = parser.parse_args()
@@ -108,7 +110,7 @@ def main() -> None:
         before = {pid: cpu_s(pid) for pid in names}
         spies = [
             subprocess.Popen(
-                [spy, "record", "--nonblocking", "-r", "50", "-d", str(ns.seconds), "--format", "raw",
+                [spy, "record", "--nonblocking", "-r", str(ns.rate), "-d", str(ns.seconds), "--format", "raw",
                  "-o", str(out / f"{pid}.txt"), "-p", str(pid)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )

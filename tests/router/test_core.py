@@ -222,6 +222,22 @@ def test_a_client_that_lags_gets_what_queued_up_as_one_message() -> None:
     assert rest.usage.completion_tokens == 3 and h.decode.calls[0].ended and not h.decode.calls[0].cancelled
 
 
+def test_without_coalescing_a_lagging_reader_gets_one_response_per_chunk() -> None:
+    """`coalesce=False` (the door in the router's process relays merged itself): decode's tokens that
+    queued up while the reader lagged still come one response each, none lost, in order."""
+    h = Harness()
+
+    async def lagging() -> list[list[int]]:
+        stream = h.router.generate(image_request(1), coalesce=False)
+        got = [list((await anext(stream)).chunk.token_ids)]
+        for _ in range(100):  # no relay task reads ahead: decode waits for this reader
+            await asyncio.sleep(0)
+        return got + [list(r.chunk.token_ids) async for r in stream]
+
+    assert asyncio.run(lagging()) == [[7], [8], [9], []]
+    assert h.decode.calls[0].ended and not h.decode.calls[0].cancelled
+
+
 def test_client_gone_mid_decode_cancels_the_decode_call() -> None:
     h = Harness()
 

@@ -79,12 +79,12 @@ def test_a_call_left_early_frees_its_slot_and_leases() -> None:
     h = Harness()
     generate, admission = _door(h)
 
-    async def first_then_leave() -> int:
+    async def leave_mid_decode() -> list[int]:
         async with contextlib.aclosing(generate(image_request(2), None)) as stream:
-            first = await anext(stream)
+            got = [t for _ in range(2) for t in (await anext(stream)).chunk.token_ids]  # prefill's, decode's first
             assert admission.running == 1
-        return len(first.chunk.token_ids)
+        return got
 
-    assert asyncio.run(first_then_leave()) >= 1
+    assert asyncio.run(leave_mid_decode()) == [7, 8]
     assert admission.running == 0
     assert h.decode.calls[0].cancelled  # the decode stream it was reading was cancelled

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry import propagate
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from libs.telemetry import configure_tracing
@@ -70,6 +71,20 @@ def test_otlp_exporter_reaches_a_real_receiver() -> None:
         assert [s.name for s in resource_spans.scope_spans[0].spans] == ["decode"]
     finally:
         server.stop(grace=None)
+
+
+def test_without_an_exporter_nothing_is_recorded_and_the_context_flows_unsampled() -> None:
+    """No exporter: no SDK span work for spans that would be dropped, yet log lines keep a trace id
+    and the request reaches the next process marked not sampled (it records nothing either)."""
+    handle = configure_tracing("router", "0.1.0", exporter="none", set_global=False)
+    with handle.provider.get_tracer("test").start_as_current_span("Generate") as span:
+        assert not span.is_recording()
+        context = span.get_span_context()
+        assert context.is_valid and not context.trace_flags.sampled
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+    assert int(carrier["traceparent"].rsplit("-", 1)[1], 16) & 1 == 0  # W3C trace flags: not sampled
+    handle.shutdown()
 
 
 def test_unknown_exporter_is_rejected() -> None:
