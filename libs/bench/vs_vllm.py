@@ -8,7 +8,9 @@ Configurations (same checkpoint, same requests: `bench serve --seed`):
   the encoder on vLLM too (`services/encoder --engine vllm`); `epd-e+pd-doorproc`,
   `epd-e/p/d-doorproc`: the door as a process of its own (`services/openai_door`, before 2026-12-04);
   `epd-e+pd-uvloop`, `epd-e/p/d-uvloop`: every EPD service on uvloop's event loop (as vLLM's server);
-  `epd-e/p/d-dgate`: the router starts no prefill its decode has no slot for (`--decode-in-flight`);
+  `epd-e/p/d-dgate`: the router starts no prefill its decode has no slot for, told the decode's
+  batch (`--decode-in-flight 8`; since contract 1.7 the router's default reads the same bound from
+  the decode); `epd-e/p/d-nogate`: no such bound (`--decode-in-flight 0`, the default before 1.7);
   `epd-e+pd-traced`, `epd-e/p/d-traced`: every EPD service recording its spans (JSONL exporter, a file
   under the run directory; the others export none and so record none, as vLLM without
   `--otlp-traces-endpoint`);
@@ -52,12 +54,14 @@ CONFIGS = (
     "epd-e+pd", "epd-e+pd-vllmenc", "vllm-e+pd", "vllm-unsplit", "epd-e/p/d", "epd-e/p/d-vllmenc", "vllm-e/p/d",
     "vllm-e+pd-uni", "vllm-e/p/d-uni", "vllm-unsplit-uni", "epd-e+pd-doorproc", "epd-e/p/d-doorproc",
     "epd-e+pd-uvloop", "epd-e/p/d-uvloop", "epd-e/p/d-dgate", "epd-e+pd-traced", "epd-e/p/d-traced",
+    "epd-e/p/d-nogate",
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
 DOOR_PROCESS = "-doorproc"  # suffix: EPD's door as a process of its own (else the router serves it)
 UVLOOP = "-uvloop"  # suffix: every EPD service on uvloop's event loop (`--event-loop uvloop`)
 DECODE_GATE = "-dgate"  # suffix: the router starts no prefill its decode has no slot for (`--decode-in-flight`)
+NO_DECODE_GATE = "-nogate"  # suffix: prefills run ahead of decode (`--decode-in-flight 0`)
 TRACED = "-traced"  # suffix: every EPD service records its spans (JSONL exporter)
 DECODE_SLOTS = 8  # the decode's batch as EPD runs vLLM (`--max-batch`, vLLM's max_num_seqs)
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
@@ -66,7 +70,7 @@ PEERS = {
     "epd-e/p/d": "vllm-e/p/d", "epd-e/p/d-vllmenc": "vllm-e/p/d",
     "epd-e+pd-doorproc": "vllm-e+pd", "epd-e/p/d-doorproc": "vllm-e/p/d",
     "epd-e+pd-uvloop": "vllm-e+pd", "epd-e/p/d-uvloop": "vllm-e/p/d", "epd-e/p/d-dgate": "vllm-e/p/d",
-    "epd-e+pd-traced": "vllm-e+pd", "epd-e/p/d-traced": "vllm-e/p/d",
+    "epd-e+pd-traced": "vllm-e+pd", "epd-e/p/d-traced": "vllm-e/p/d", "epd-e/p/d-nogate": "vllm-e/p/d",
 }  # fmt: skip
 UNSPLIT = "vllm-unsplit"
 
@@ -434,10 +438,13 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
     name = model.name
     if config.startswith("epd-"):
         variant = config.removeprefix("epd-")
-        door_process, uvloop, gate, traced = (variant.endswith(s) for s in (DOOR_PROCESS, UVLOOP, DECODE_GATE, TRACED))
-        for suffix in (DOOR_PROCESS, UVLOOP, DECODE_GATE, TRACED):
+        suffixes = (DOOR_PROCESS, UVLOOP, DECODE_GATE, NO_DECODE_GATE, TRACED)
+        door_process, uvloop, gate, no_gate, traced = (variant.endswith(s) for s in suffixes)
+        for suffix in suffixes:
             variant = variant.removesuffix(suffix)
         env = {"EPD_EVENT_LOOP": "uvloop"} if uvloop else {}
+        in_flight = str(DECODE_SLOTS) if gate else "0" if no_gate else None
+        router_args = {"router": ["--decode-in-flight", in_flight]} if in_flight is not None else {}
         if traced:
             env |= {"EPD_TRACE_EXPORTER": "jsonl", "EPD_TRACE_FILE": str(run_dir / "spans.jsonl")}
         vllm_encoder = variant.endswith(VLLM_ENCODER)
@@ -446,7 +453,7 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
                          encoder_engine="vllm" if vllm_encoder else "reference",
                          ready_timeout_s=ready_timeout_s, openai_door=True, door_in_router=not door_process,
                          env=env,
-                         extra_args={"router": ["--decode-in-flight", str(DECODE_SLOTS)]} if gate else {})  # fmt: skip
+                         extra_args=router_args)  # fmt: skip
         with Stack(spec).running() as stack:
             dep = Deployment(config, stack.door_url.removesuffix("/v1"), name, stack=stack,
                              note="vLLM encoder" if vllm_encoder else "reference encoder")  # fmt: skip
@@ -523,8 +530,8 @@ def load_average() -> tuple[float, float, float]:
 
 
 __all__ = [
-    "ARRIVALS", "CONFIGS", "DATASETS", "DECODE_GATE", "DOOR_PROCESS", "METRICS", "PEERS", "TRACED", "UNSPLIT", "UVLOOP",
-    "VLLM_ENCODER",
+    "ARRIVALS", "CONFIGS", "DATASETS", "DECODE_GATE", "DOOR_PROCESS", "METRICS", "NO_DECODE_GATE", "PEERS", "TRACED",
+    "UNSPLIT", "UVLOOP", "VLLM_ENCODER",
     "Dataset", "Deployment", "Engine", "Point", "Results",
     "arrivals", "bench_serve", "bench_serve_args", "deployed", "median_range", "metrics_of", "plot", "points", "ratios",
     "schedule", "streamed_share", "streamed_tpot", "table", "wins",

@@ -37,7 +37,8 @@ def backend_info(
 ) -> service_info_pb2.ServiceInfo:
     """What a service running `backend` advertises: the model, the embeddings the backend produces
     or consumes, the transport's descriptions, admission priority and the backend's capabilities
-    (the transport's own are added by `backend_parts`), and the backend's role-specific fields."""
+    (the transport's own are added by `backend_parts`), the requests it runs at once, and the
+    backend's role-specific fields."""
     info = service_info(
         role,
         model_identity(settings, backend.weights_digest),
@@ -45,6 +46,7 @@ def backend_info(
         backend.transport.transport_info() if backend.transport is not None else (),
         capabilities=(ADMISSION_PRIORITY, *_sampling(role), *backend.capabilities()),
     )
+    info.max_running_requests = backend.max_running  # the service's admission runs this many at once
     backend.extend_info(info)
     return info
 

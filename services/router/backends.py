@@ -44,6 +44,11 @@ class Checks(Protocol):
         """The (checked) encoder's cache, as advertised in its ServiceInfo; None when it keeps none."""
         ...
 
+    def max_running(self, address: str) -> int | None:
+        """The requests the (checked) peer runs at once, as advertised (0: not advertised, a peer
+        before contract 1.7); None before first contact."""
+        ...
+
 
 @dataclass
 class Backends:

@@ -43,7 +43,7 @@ from services.router.dispatch import EncodeDispatch
 from services.router.encoders import EncoderPool
 from services.router.leases import Leases, RequestState
 from services.router.policy import RpcFailed
-from services.router.stages import Reply, StageClients
+from services.router.stages import DECODE_IN_FLIGHT_ADVERTISED, Reply, StageClients
 from services.router.transcribe import Transcriber, speech_item
 from services.router.warmup import warm_up
 
@@ -61,7 +61,7 @@ class Router:
         cache: CacheLookup | None = None,
         stages: Stages | None = None,
         encode_in_flight: int = 64,
-        decode_in_flight: int = 0,
+        decode_in_flight: int = DECODE_IN_FLIGHT_ADVERTISED,
     ) -> None:
         self._limits = limits or Limits()
         self._leases = Leases(backends.lease)

@@ -116,6 +116,11 @@ class BackendChecks:
             return None
         return info.encoder_cache
 
+    def max_running(self, address: str) -> int | None:
+        """What the (already checked) peer at `address` advertises it runs at once; None unchecked."""
+        info = self._peers.cached(address)
+        return None if info is None else info.max_running_requests
+
     def honors(self, address: str, capability: str) -> bool:
         """Whether the (already checked) peer at `address` advertises `capability`."""
         info = self._peers.cached(address)

@@ -67,10 +67,11 @@ class RouterSettings(DoorHttpSettings, ClientAuthSettings, CommonSettings):
         "--max-running + --max-waiting, 80 by default, so admitted requests are not refused there)",
     )
     decode_in_flight: int = setting(
-        0,
+        -1,
         "e/p/d: requests between the start of their prefill and the end of their decode, per decode member; more "
-        "wait before prefill (in their time to first token, not between tokens in a decode queue). Set it to the "
-        "decode's --max-running (vLLM: its batch, --max-batch); 0: no bound",
+        "wait before prefill (in their time to first token, not between tokens in a decode queue). -1: what each "
+        "decode advertises it runs at once (its --max-running, within its batch: contract 1.7; no bound with "
+        "older decodes); 0: no bound",
     )
     # Off by default: the warm-up's encode counts as a computed item in the encoders' metrics and
     # caches; `epd up`/`epd demo` and the benchmarks turn it on (EPD_WARM_UP=true).
@@ -180,6 +181,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
         instance_id=INSTANCE_ID,
         capabilities=[ADMISSION_PRIORITY],
         software_version=SOFTWARE_VERSION,
+        max_running_requests=settings.max_running,
     )
 
     async def close() -> None:

@@ -7,10 +7,11 @@
   stage), bounded by the router's own admission: requests it admitted are not refused by an
   encoder queue they overflow (several items per request at high concurrency).
 - `prefill_and_decode`: the request's messages (media parts already replaced by their `encoded`
-  parts) go to prefill; its KV cache goes to any decode. With `decode_in_flight`, at most that
-  many requests per decode member are between the start of their prefill and the end of their
-  decode: the others wait before prefill, in their time to first token, not between their first
-  and second tokens in the decode's queue (SGLang's decode pre-allocates for the same reason). The
+  parts) go to prefill; its KV cache goes to any decode. At most as many requests as the decode
+  members run at once (what each advertises, contract 1.7; or `decode_in_flight` per member) are
+  between the start of their prefill and the end of their decode: the others wait before prefill,
+  in their time to first token, not between their first and second tokens in the decode's queue
+  (SGLang's decode pre-allocates for the same reason). The
   request's `RequestState` holds the embeddings until prefill (or PD) acks them, and the KV until
   decode acks it. A prefill, decode or PD member that refuses before its first token is replaced
   as the policy says; a consumer gone mid-stream cancels the member's call (it would generate on
@@ -50,6 +51,8 @@ from services.router.pool import MemberPool
 
 _log = structlog.get_logger(__name__)
 Reply = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
+DECODE_IN_FLIGHT_ADVERTISED = -1  # `decode_in_flight`: each decode member's own bound, as it advertises it
+_UNBOUNDED = 1 << 30
 
 
 class Slots:
@@ -112,23 +115,37 @@ class StageClients:
     """Calls to the encoders and to the prefill/decode (or PD) members."""
 
     def __init__(
-        self, backends: Backends, stages: Stages, *, encode_in_flight: int = 64, decode_in_flight: int = 0
+        self,
+        backends: Backends,
+        stages: Stages,
+        *,
+        encode_in_flight: int = 64,
+        decode_in_flight: int = DECODE_IN_FLIGHT_ADVERTISED,
     ) -> None:
         if encode_in_flight < 1:
             raise ValueError("encode_in_flight must be >= 1")
-        if decode_in_flight < 0:
-            raise ValueError("decode_in_flight must be >= 0 (0: no bound)")
+        if decode_in_flight < DECODE_IN_FLIGHT_ADVERTISED:
+            raise ValueError("decode_in_flight must be >= -1 (-1: as the decode members advertise, 0: no bound)")
         self.backends = backends
         self.stages = stages
         self.encode_in_flight = encode_in_flight
         self._encode_slots: dict[str, asyncio.Semaphore] = {}
-        decode = stages.decode
-        # Read at each request: a discovered decode pool grows and shrinks.
-        self._decode_slots = (
-            Slots(lambda: decode_in_flight * max(1, decode.size if decode is not None else 1), "a decode slot")
-            if decode_in_flight
-            else None
-        )
+        self._decode_in_flight = decode_in_flight
+        self._decode_slots = Slots(self._decode_capacity, "a decode slot") if decode_in_flight else None
+
+    def _decode_capacity(self) -> int:
+        """Requests that may be between the start of their prefill and the end of their decode, read
+        at each request (a discovered decode pool grows and shrinks): `decode_in_flight` per member,
+        or the sum of what the members advertise. A member not contacted yet counts as the largest
+        advertised; one that advertises nothing (before contract 1.7) lifts the bound."""
+        members = list(self.stages.decode.outstanding) if self.stages.decode is not None else []
+        if self._decode_in_flight > 0:
+            return self._decode_in_flight * max(1, len(members))
+        advertised = [self.backends.checks.max_running(address) for address in members]
+        known = [n for n in advertised if n is not None]
+        if not known or 0 in known:
+            return _UNBOUNDED
+        return sum(max(known) if n is None else n for n in advertised)
 
     @contextlib.asynccontextmanager
     async def _encode_slot(self, address: str, deadline: float | None) -> AsyncGenerator[None, None]:
@@ -249,7 +266,7 @@ class StageClients:
     ) -> AsyncGenerator[Reply, None]:
         slot = (
             contextlib.nullcontext()
-            if self._decode_slots is None
+            if self._decode_slots is None or request.sampling.max_tokens == 1  # prefill's token is all of it
             else self._decode_slots.held("router.decode_queue", deadline)
         )
         async with slot, contextlib.aclosing(self._prefill_then_decode(messages, request, state, deadline)) as replies:

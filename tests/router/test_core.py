@@ -621,10 +621,12 @@ def test_a_job_waiting_for_an_encoder_slot_past_its_deadline_fails_and_the_slot_
     assert asyncio.run(run()) == [7, 8, 9]
 
 
-def test_decode_slots_hold_prefills_until_a_decode_ends() -> None:
-    """`decode_in_flight`: a request whose decode would queue waits before its prefill (its time to
-    first token), and starts once a decode ends."""
-    h = Harness(decode_in_flight=1)
+@pytest.mark.parametrize("bound", ["set", "advertised"])
+def test_decode_slots_hold_prefills_until_a_decode_ends(bound: str) -> None:
+    """A request whose decode would queue waits before its prefill (its time to first token), and
+    starts once a decode ends: with `decode_in_flight` set, or as the decode advertises it (1.7)."""
+    h = Harness(decode_in_flight=1) if bound == "set" else Harness()
+    h.checks.running = lambda address: 1
     slots = h.router._clients._decode_slots
     assert slots is not None
 
@@ -645,6 +647,50 @@ def test_decode_slots_hold_prefills_until_a_decode_ends() -> None:
     assert first == second == [7, 8, 9]
     assert prefills_while_held == 1
     assert len(h.prefill.requests) == 2 and slots.waiting == 0
+
+
+def test_a_one_token_request_takes_no_decode_slot() -> None:
+    """max_tokens 1: prefill's token is the whole answer, so it never waits for decode's slots (a
+    decode held full, or a prefill stuck with the slots, does not hold it back)."""
+    h = Harness(decode_in_flight=1)
+    slots = h.router._clients._decode_slots
+    assert slots is not None
+
+    async def run() -> list[int]:
+        h.decode.gate = asyncio.Event()
+        async with asyncio.timeout(30):
+            held = asyncio.create_task(h.tokens(image_request(1)))
+            while not h.decode.requests:  # the only slot, held in decode
+                await asyncio.sleep(0)
+            one = image_request(1)
+            one.sampling.max_tokens = 1
+            tokens = await h.tokens(one)
+            assert slots.waiting == 0
+            h.decode.gate.set()
+            await held
+            return tokens
+
+    assert asyncio.run(run()) == [7]
+
+
+def test_advertised_decode_slots_are_the_members_sum() -> None:
+    """By default the bound is what the decode members advertise, summed; a member not contacted yet
+    counts as the largest advertised, and one that advertises nothing (a peer before 1.7) or a pool
+    nobody contacted yet lifts it; `decode_in_flight` > 0 is per member, whatever they advertise."""
+    h = Harness()
+    decode = h.stages.decode
+    assert decode is not None
+    decode.update(["d1", "d2", "d3"])
+    advertised: dict[str, int] = {}
+    h.checks.running = advertised.get
+    capacity = h.router._clients._decode_capacity
+    assert capacity() >= 1 << 30  # no member contacted yet
+    advertised.update(d1=8, d2=4)
+    assert capacity() == 8 + 4 + 8
+    advertised["d3"] = 0
+    assert capacity() >= 1 << 30
+    assert Harness(decode_in_flight=2).router._clients._decode_capacity() == 2
+    assert Harness(decode_in_flight=0).router._clients._decode_slots is None
 
 
 def test_decode_slots_keep_order_honour_deadlines_and_pass_on_a_cancelled_wait() -> None:

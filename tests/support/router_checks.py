@@ -1,6 +1,6 @@
 """First-contact checks (`services.router.backends.Checks`) that pass every peer without a
 handshake, for router tests without services; a test that wants one refused or gone replaces the
-hook it needs (`on_encoder`, `on_prefill`, `on_decode`, `honoring`, `cache_of`)."""
+hook it needs (`on_encoder`, `on_prefill`, `on_decode`, `honoring`, `cache_of`, `running`)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ class PassingChecks:
         self.on_decode: Callable[[str, str], Awaitable[None]] = _passes
         self.honoring: Callable[[str, str], bool] = lambda address, capability: False
         self.cache_of: Callable[[str], service_info_pb2.EncoderCacheInfo | None] = lambda address: None
+        self.running: Callable[[str], int | None] = lambda address: None  # first contact not made
 
     async def backend(self) -> service_info_pb2.ServiceInfo:
         return self.info
@@ -39,3 +40,6 @@ class PassingChecks:
 
     def encoder_cache(self, address: str) -> service_info_pb2.EncoderCacheInfo | None:
         return self.cache_of(address)
+
+    def max_running(self, address: str) -> int | None:
+        return self.running(address)

@@ -24,6 +24,7 @@ from libs.contract.epd.v1 import (
 from services.router.backends import Backends, Stages
 from services.router.core import Router
 from services.router.encoders import EncoderPool
+from services.router.stages import DECODE_IN_FLIGHT_ADVERTISED
 from tests.support import samples
 from tests.support.router_checks import PassingChecks
 
@@ -89,6 +90,13 @@ class Prefill:
         kv = samples.kv_cache(tokens=10)
         kv.handle.lease_id = f"kv-lease-{len(self.requests)}"
         token = self.first_tokens[min(len(self.requests), len(self.first_tokens)) - 1]
+        if request.sampling.max_tokens == 1:  # finished at its first token, as a prefill service answers
+            return prefill_pb2.PrefillResponse(
+                first_chunk=generation_pb2.TokenChunk(
+                    token_ids=[token], text="a", finish_reason=generation_pb2.FINISH_REASON_LENGTH
+                ),
+                decode_state=prefill_pb2.DecodeState(next_input_token_id=token, generated_tokens=1, prompt_tokens=10),
+            )
         return prefill_pb2.PrefillResponse(
             first_chunk=generation_pb2.TokenChunk(token_ids=[token], text="a"),
             kv_cache=kv,
@@ -184,7 +192,7 @@ class Harness:
             cache=kw.get("cache"),
             stages=self.stages,
             encode_in_flight=kw.get("encode_in_flight", 64),
-            decode_in_flight=kw.get("decode_in_flight", 0),
+            decode_in_flight=kw.get("decode_in_flight", DECODE_IN_FLIGHT_ADVERTISED),
         )
 
     async def tokens(self, request: generate_pb2.GenerateRequest) -> list[int]:

@@ -27,15 +27,15 @@ from . import media_pb2 as epd_dot_v1_dot_media__pb2
 from . import tensor_pb2 as epd_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65pd/v1/service_info.proto\x12\x06\x65pd.v1\x1a\x12\x65pd/v1/media.proto\x1a\x13\x65pd/v1/tensor.proto\"/\n\x0f\x43ontractVersion\x12\r\n\x05major\x18\x01 \x01(\r\x12\r\n\x05minor\x18\x02 \x01(\r\"K\n\rModelIdentity\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x16\n\x0eweights_digest\x18\x03 \x01(\t\"L\n\x0f\x45xtraTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05width\x18\x02 \x01(\x03\x12\x1c\n\x05\x64type\x18\x03 \x01(\x0e\x32\r.epd.v1.DType\"\x90\x01\n\rEmbeddingSpec\x12\"\n\x08modality\x18\x01 \x01(\x0e\x32\x10.epd.v1.Modality\x12\r\n\x05width\x18\x02 \x01(\x03\x12\x1c\n\x05\x64type\x18\x03 \x01(\x0e\x32\r.epd.v1.DType\x12.\n\rextra_tensors\x18\x04 \x03(\x0b\x32\x17.epd.v1.ExtraTensorSpec\"J\n\rNixlAgentInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\"Y\n\rTransportInfo\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.epd.v1.TransportKind\x12#\n\x04nixl\x18\x02 \x01(\x0b\x32\x15.epd.v1.NixlAgentInfo\"\x8c\x03\n\x0bServiceInfo\x12\x31\n\x10\x63ontract_version\x18\x01 \x01(\x0b\x32\x17.epd.v1.ContractVersion\x12$\n\x05model\x18\x02 \x01(\x0b\x32\x15.epd.v1.ModelIdentity\x12!\n\x04role\x18\x03 \x01(\x0e\x32\x13.epd.v1.ServiceRole\x12.\n\x0f\x65mbedding_specs\x18\x04 \x03(\x0b\x32\x15.epd.v1.EmbeddingSpec\x12)\n\ntransports\x18\x05 \x03(\x0b\x32\x15.epd.v1.TransportInfo\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x07 \x03(\t\x12\x18\n\x10software_version\x18\x08 \x01(\t\x12/\n\rencoder_cache\x18\t \x01(\x0b\x32\x18.epd.v1.EncoderCacheInfo\x12\x30\n\rtranscription\x18\n \x01(\x0b\x32\x19.epd.v1.TranscriptionSpec\"j\n\x11TranscriptionSpec\x12\x15\n\rwindow_frames\x18\x01 \x01(\x03\x12 \n\x18timestamp_begin_token_id\x18\x02 \x01(\x05\x12\x1c\n\x14\x65nd_of_text_token_id\x18\x03 \x01(\x05\"Z\n\x10\x45ncoderCacheInfo\x12\x12\n\nkey_prefix\x18\x01 \x01(\t\x12\x14\n\x0cshared_store\x18\x02 \x01(\x08\x12\x1c\n\x14local_capacity_bytes\x18\x03 \x01(\x04\"Q\n\x15GetServiceInfoRequest\x12\x38\n\x17\x63\x61ller_contract_version\x18\x01 \x01(\x0b\x32\x17.epd.v1.ContractVersion\";\n\x16GetServiceInfoResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.epd.v1.ServiceInfo*\xce\x01\n\x0bServiceRole\x12\x1c\n\x18SERVICE_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14SERVICE_ROLE_ENCODER\x10\x01\x12\x18\n\x14SERVICE_ROLE_PREFILL\x10\x02\x12\x17\n\x13SERVICE_ROLE_DECODE\x10\x03\x12\x1f\n\x1bSERVICE_ROLE_PREFILL_DECODE\x10\x04\x12\x17\n\x13SERVICE_ROLE_ROUTER\x10\x05\x12\x1a\n\x16SERVICE_ROLE_COLOCATED\x10\x06\x32\x65\n\x12ServiceInfoService\x12O\n\x0eGetServiceInfo\x12\x1d.epd.v1.GetServiceInfoRequest\x1a\x1e.epd.v1.GetServiceInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65pd/v1/service_info.proto\x12\x06\x65pd.v1\x1a\x12\x65pd/v1/media.proto\x1a\x13\x65pd/v1/tensor.proto\"/\n\x0f\x43ontractVersion\x12\r\n\x05major\x18\x01 \x01(\r\x12\r\n\x05minor\x18\x02 \x01(\r\"K\n\rModelIdentity\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x16\n\x0eweights_digest\x18\x03 \x01(\t\"L\n\x0f\x45xtraTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05width\x18\x02 \x01(\x03\x12\x1c\n\x05\x64type\x18\x03 \x01(\x0e\x32\r.epd.v1.DType\"\x90\x01\n\rEmbeddingSpec\x12\"\n\x08modality\x18\x01 \x01(\x0e\x32\x10.epd.v1.Modality\x12\r\n\x05width\x18\x02 \x01(\x03\x12\x1c\n\x05\x64type\x18\x03 \x01(\x0e\x32\r.epd.v1.DType\x12.\n\rextra_tensors\x18\x04 \x03(\x0b\x32\x17.epd.v1.ExtraTensorSpec\"J\n\rNixlAgentInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\"Y\n\rTransportInfo\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.epd.v1.TransportKind\x12#\n\x04nixl\x18\x02 \x01(\x0b\x32\x15.epd.v1.NixlAgentInfo\"\xaa\x03\n\x0bServiceInfo\x12\x31\n\x10\x63ontract_version\x18\x01 \x01(\x0b\x32\x17.epd.v1.ContractVersion\x12$\n\x05model\x18\x02 \x01(\x0b\x32\x15.epd.v1.ModelIdentity\x12!\n\x04role\x18\x03 \x01(\x0e\x32\x13.epd.v1.ServiceRole\x12.\n\x0f\x65mbedding_specs\x18\x04 \x03(\x0b\x32\x15.epd.v1.EmbeddingSpec\x12)\n\ntransports\x18\x05 \x03(\x0b\x32\x15.epd.v1.TransportInfo\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x07 \x03(\t\x12\x18\n\x10software_version\x18\x08 \x01(\t\x12/\n\rencoder_cache\x18\t \x01(\x0b\x32\x18.epd.v1.EncoderCacheInfo\x12\x30\n\rtranscription\x18\n \x01(\x0b\x32\x19.epd.v1.TranscriptionSpec\x12\x1c\n\x14max_running_requests\x18\x0b \x01(\x05\"j\n\x11TranscriptionSpec\x12\x15\n\rwindow_frames\x18\x01 \x01(\x03\x12 \n\x18timestamp_begin_token_id\x18\x02 \x01(\x05\x12\x1c\n\x14\x65nd_of_text_token_id\x18\x03 \x01(\x05\"Z\n\x10\x45ncoderCacheInfo\x12\x12\n\nkey_prefix\x18\x01 \x01(\t\x12\x14\n\x0cshared_store\x18\x02 \x01(\x08\x12\x1c\n\x14local_capacity_bytes\x18\x03 \x01(\x04\"Q\n\x15GetServiceInfoRequest\x12\x38\n\x17\x63\x61ller_contract_version\x18\x01 \x01(\x0b\x32\x17.epd.v1.ContractVersion\";\n\x16GetServiceInfoResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.epd.v1.ServiceInfo*\xce\x01\n\x0bServiceRole\x12\x1c\n\x18SERVICE_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14SERVICE_ROLE_ENCODER\x10\x01\x12\x18\n\x14SERVICE_ROLE_PREFILL\x10\x02\x12\x17\n\x13SERVICE_ROLE_DECODE\x10\x03\x12\x1f\n\x1bSERVICE_ROLE_PREFILL_DECODE\x10\x04\x12\x17\n\x13SERVICE_ROLE_ROUTER\x10\x05\x12\x1a\n\x16SERVICE_ROLE_COLOCATED\x10\x06\x32\x65\n\x12ServiceInfoService\x12O\n\x0eGetServiceInfo\x12\x1d.epd.v1.GetServiceInfoRequest\x1a\x1e.epd.v1.GetServiceInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.service_info_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SERVICEROLE']._serialized_start=1340
-  _globals['_SERVICEROLE']._serialized_end=1546
+  _globals['_SERVICEROLE']._serialized_start=1370
+  _globals['_SERVICEROLE']._serialized_end=1576
   _globals['_CONTRACTVERSION']._serialized_start=78
   _globals['_CONTRACTVERSION']._serialized_end=125
   _globals['_MODELIDENTITY']._serialized_start=127
@@ -49,15 +49,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSPORTINFO']._serialized_start=505
   _globals['_TRANSPORTINFO']._serialized_end=594
   _globals['_SERVICEINFO']._serialized_start=597
-  _globals['_SERVICEINFO']._serialized_end=993
-  _globals['_TRANSCRIPTIONSPEC']._serialized_start=995
-  _globals['_TRANSCRIPTIONSPEC']._serialized_end=1101
-  _globals['_ENCODERCACHEINFO']._serialized_start=1103
-  _globals['_ENCODERCACHEINFO']._serialized_end=1193
-  _globals['_GETSERVICEINFOREQUEST']._serialized_start=1195
-  _globals['_GETSERVICEINFOREQUEST']._serialized_end=1276
-  _globals['_GETSERVICEINFORESPONSE']._serialized_start=1278
-  _globals['_GETSERVICEINFORESPONSE']._serialized_end=1337
-  _globals['_SERVICEINFOSERVICE']._serialized_start=1548
-  _globals['_SERVICEINFOSERVICE']._serialized_end=1649
+  _globals['_SERVICEINFO']._serialized_end=1023
+  _globals['_TRANSCRIPTIONSPEC']._serialized_start=1025
+  _globals['_TRANSCRIPTIONSPEC']._serialized_end=1131
+  _globals['_ENCODERCACHEINFO']._serialized_start=1133
+  _globals['_ENCODERCACHEINFO']._serialized_end=1223
+  _globals['_GETSERVICEINFOREQUEST']._serialized_start=1225
+  _globals['_GETSERVICEINFOREQUEST']._serialized_end=1306
+  _globals['_GETSERVICEINFORESPONSE']._serialized_start=1308
+  _globals['_GETSERVICEINFORESPONSE']._serialized_end=1367
+  _globals['_SERVICEINFOSERVICE']._serialized_start=1578
+  _globals['_SERVICEINFOSERVICE']._serialized_end=1679
 # @@protoc_insertion_point(module_scope)

@@ -258,12 +258,18 @@ class ServiceInfo(_message.Message):
     SOFTWARE_VERSION_FIELD_NUMBER: _builtins.int
     ENCODER_CACHE_FIELD_NUMBER: _builtins.int
     TRANSCRIPTION_FIELD_NUMBER: _builtins.int
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
     role: Global___ServiceRole.ValueType
     """Role of this service."""
     instance_id: _builtins.str
     """Identifier of this process's incarnation; changes on restart."""
     software_version: _builtins.str
     """Software build, free text (e.g. "epd 0.1.0")."""
+    max_running_requests: _builtins.int
+    """Requests this service runs at once, in requests: its admission bound (more wait in its queue;
+    a decode's is its batch). 0: not reported (peers before 1.7). A router holds E/P/D requests
+    before prefill once the decode members' total is in flight. Since contract 1.7.
+    """
     @_builtins.property
     def contract_version(self) -> Global___ContractVersion:
         """Contract version spoken."""
@@ -309,10 +315,11 @@ class ServiceInfo(_message.Message):
         software_version: _builtins.str = ...,
         encoder_cache: Global___EncoderCacheInfo | None = ...,
         transcription: Global___TranscriptionSpec | None = ...,
+        max_running_requests: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["contract_version", b"contract_version", "encoder_cache", b"encoder_cache", "model", b"model", "transcription", b"transcription"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "contract_version", b"contract_version", "embedding_specs", b"embedding_specs", "encoder_cache", b"encoder_cache", "instance_id", b"instance_id", "model", b"model", "role", b"role", "software_version", b"software_version", "transcription", b"transcription", "transports", b"transports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "contract_version", b"contract_version", "embedding_specs", b"embedding_specs", "encoder_cache", b"encoder_cache", "instance_id", b"instance_id", "max_running_requests", b"max_running_requests", "model", b"model", "role", b"role", "software_version", b"software_version", "transcription", b"transcription", "transports", b"transports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
