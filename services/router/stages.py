@@ -11,12 +11,12 @@
   members run at once (what each advertises, contract 1.7; or `decode_in_flight` per member) are
   between the start of their prefill and the end of their decode: the others wait before prefill,
   in their time to first token, not between their first and second tokens in the decode's queue
-  (SGLang's decode pre-allocates for the same reason). The
-  request's `RequestState` holds the embeddings until prefill (or PD) acks them, and the KV until
-  decode acks it. A prefill, decode or PD member that refuses before its first token is replaced
-  as the policy says; a consumer gone mid-stream cancels the member's call (it would generate on
-  to max_tokens). A failure leaves as `RpcFailed` naming the stage; a decode that streamed nothing
-  says so (`kv_unread`).
+  (SGLang's decode pre-allocates for the same reason); a one-token request never decodes and takes
+  no such place. The request's `RequestState` holds the embeddings until prefill (or PD) acks them,
+  and the KV until decode acks it. A prefill, decode or PD member that refuses before its first
+  token is replaced as the policy says; a consumer gone mid-stream cancels the member's call (it
+  would generate on to max_tokens). A failure leaves as `RpcFailed` naming the stage; a decode that
+  streamed nothing says so (`kv_unread`).
 """
 
 from __future__ import annotations
