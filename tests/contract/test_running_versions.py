@@ -25,13 +25,13 @@ def _info(version: str) -> service_info_pb2.ServiceInfo:
 
 
 def test_a_1_6_decode_advertises_nothing_and_lifts_the_routers_bound() -> None:
-    info_1_6 = _info("v1.6")
-    assert not info_1_6.max_running_requests
+    old, new = _info("v1.6").max_running_requests, _info("v1.7").max_running_requests
+    assert old == 0 and new == 16
     h = Harness()
-    h.checks.running = lambda address: _info("v1.6").max_running_requests
+    h.checks.running = lambda address: old
     assert h.router._clients._decode_capacity() >= 1 << 30
-    h.checks.running = lambda address: _info("v1.7").max_running_requests  # a 1.7 decode: its bound
-    assert h.router._clients._decode_capacity() == _info("v1.7").max_running_requests == 16
+    h.checks.running = lambda address: new  # a 1.7 decode: its bound
+    assert h.router._clients._decode_capacity() == 16
 
 
 def test_a_1_6_peer_reads_a_1_7_service_info_with_the_new_field_unknown() -> None:
