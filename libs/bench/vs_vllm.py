@@ -54,7 +54,7 @@ CONFIGS = (
     "epd-e+pd", "epd-e+pd-vllmenc", "vllm-e+pd", "vllm-unsplit", "epd-e/p/d", "epd-e/p/d-vllmenc", "vllm-e/p/d",
     "vllm-e+pd-uni", "vllm-e/p/d-uni", "vllm-unsplit-uni", "epd-e+pd-doorproc", "epd-e/p/d-doorproc",
     "epd-e+pd-uvloop", "epd-e/p/d-uvloop", "epd-e/p/d-dgate", "epd-e+pd-traced", "epd-e/p/d-traced",
-    "epd-e/p/d-nogate",
+    "epd-e/p/d-nogate", "epd-e+pd-vllmenc-traced",
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
@@ -71,6 +71,7 @@ PEERS = {
     "epd-e+pd-doorproc": "vllm-e+pd", "epd-e/p/d-doorproc": "vllm-e/p/d",
     "epd-e+pd-uvloop": "vllm-e+pd", "epd-e/p/d-uvloop": "vllm-e/p/d", "epd-e/p/d-dgate": "vllm-e/p/d",
     "epd-e+pd-traced": "vllm-e+pd", "epd-e/p/d-traced": "vllm-e/p/d", "epd-e/p/d-nogate": "vllm-e/p/d",
+    "epd-e+pd-vllmenc-traced": "vllm-e+pd",
 }  # fmt: skip
 UNSPLIT = "vllm-unsplit"
 

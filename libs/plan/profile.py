@@ -26,7 +26,7 @@ FIXED = ("rpc", "service", "router", "transfer", "other", "cache_load")
 class RequestProfile:
     kind: str  # "text", "image", "audio", "video"
     items: int
-    encode_s: tuple[float, ...]  # per item, engine time
+    encode_s: tuple[float, ...]  # per Encode call (an item, or a request's items together), engine time
     prefill_s: float  # engine time
     prompt_tokens: int
     output_tokens: int
@@ -77,7 +77,7 @@ class Profile:
             out[kind] = {
                 "requests": len(rs),
                 "items": statistics.fmean(r.items for r in rs),
-                "encode_s_per_item": statistics.fmean(e for r in rs for e in r.encode_s) if rs[0].items else 0.0,
+                "encode_s_per_call": statistics.fmean(e for r in rs for e in r.encode_s) if rs[0].items else 0.0,
                 "prefill_s": statistics.fmean(r.prefill_s for r in rs),
                 "prompt_tokens": statistics.fmean(r.prompt_tokens for r in rs),
                 "fixed_s": statistics.fmean(r.fixed_s for r in rs),
@@ -102,7 +102,8 @@ def profile(spans: Iterable[SpanRecord]) -> Profile:
         children: dict[str, list[SpanRecord]] = {}
         for s in trace:
             children.setdefault(s.parent_id, []).append(s)
-        modalities = [str(s.attributes.get("epd.modality", "")) for s in trace if s.name == "epd.encode.item"]
+        calls = [s for s in trace if s.name == "epd.encode.item"]  # one per Encode call: one item or several
+        modalities = [str(s.attributes.get("epd.modality", "")) for s in calls]
         encodes = []
         for server in (s for s in trace if s.name == "EncoderService/Encode"):
             encodes.append(
@@ -125,7 +126,7 @@ def profile(spans: Iterable[SpanRecord]) -> Profile:
         out.append(
             RequestProfile(
                 kind=kind,
-                items=len(modalities),
+                items=sum(int(s.attributes.get("epd.items", 1)) for s in calls),
                 encode_s=tuple(encodes),
                 prefill_s=float(prefill.attributes.get("epd.engine.busy_s", prefill.duration_s)),
                 prompt_tokens=int(prefill.attributes.get("epd.prompt_tokens", 0)),

@@ -6,8 +6,9 @@ Flow per request, and where each part lives:
 1. validate; assign a request id when the client gave none;
 2. a transcription (one audio item, to a stack whose prefill advertises a `TranscriptionSpec`)
    goes window by window (services/router/transcribe.py); anything else:
-3. one `Encode` job per media item, placed and run by `EncodeDispatch`
-   (services/router/dispatch.py), and each `media` part replaced by its `encoded` part;
+3. each media item placed on an encoder, the items placed on one encoder in one `Encode` call (one
+   per item with a shared store), run by `EncodeDispatch` (services/router/dispatch.py), and each
+   `media` part replaced by its `encoded` part;
 4. `Prefill` then `Decode` (E/P/D) or `PrefillDecode` (E+PD), by the stage clients
    (services/router/stages.py); every stage call moves between members through `Failover`
    (services/router/failover.py) as the policy says (services/router/policy.py);

@@ -16,6 +16,7 @@ router when the request ends without prefill acking it), whether or not its sibl
 from __future__ import annotations
 
 import asyncio
+import re
 
 import grpc
 import structlog
@@ -53,27 +54,32 @@ class EncodeDispatch:
         """The request's messages with each `media` part replaced by its `encoded` part, in place."""
         messages = [chat_pb2.ChatMessage(role=src.role) for src in request.messages]
         slots: list[chat_pb2.ContentPart] = []
-        jobs = []
+        media: list[chat_pb2.ContentPart] = []
         for src, dst in zip(request.messages, messages, strict=True):
             for part in src.parts:
                 out = dst.parts.add()
                 if part.WhichOneof("kind") == "media":
-                    jobs.append(self._encode_one(state, len(slots), part, deadline))
+                    media.append(part)
                     slots.append(out)
                 else:
                     out.CopyFrom(part)
-        if jobs:
-            with phase("epd.encode", **{"epd.items": len(jobs)}):
-                results = await asyncio.gather(*jobs, return_exceptions=True)
-            for item in results:  # held first, so a sibling's failure still releases them
-                if isinstance(item, layout_pb2.EncodedMedia):
-                    state.hold(item.embeddings)
-            for item in results:
-                if isinstance(item, BaseException):
-                    raise item
-            for out, item in zip(slots, results, strict=True):
-                assert isinstance(item, layout_pb2.EncodedMedia)
-                out.encoded.CopyFrom(item)
+        if media:
+            with phase("epd.encode", **{"epd.items": len(media)}):
+                jobs = await self._jobs(media)
+                results = await asyncio.gather(
+                    *(self._encode(state, items, deadline, placed) for placed, items in jobs), return_exceptions=True
+                )
+            for group in results:  # held first, so a sibling's failure still releases them
+                if not isinstance(group, BaseException):
+                    for item in group:
+                        state.hold(item.embeddings)
+            for group in results:
+                if isinstance(group, BaseException):
+                    raise group
+            encoded = [item for group in results if not isinstance(group, BaseException) for item in group]
+            order = [index for _, items in jobs for index, _, _ in items]
+            for index, item in zip(order, encoded, strict=True):
+                slots[index].encoded.CopyFrom(item)
         return messages
 
     async def encode_item(
@@ -81,27 +87,59 @@ class EncodeDispatch:
     ) -> layout_pb2.EncodedMedia:
         """Encode one media part (item 0 of its request), its embedding held by `state`."""
         with phase("epd.encode", **{"epd.items": 1}):
-            encoded = await self._encode_one(state, 0, part, deadline)
+            (encoded,) = await self._encode(state, [(0, part, await self._key(part))], deadline)
         state.hold(encoded.embeddings)
         return encoded
 
-    async def _encode_one(
-        self, state: RequestState, index: int, part: chat_pb2.ContentPart, deadline: float | None
-    ) -> layout_pb2.EncodedMedia:
-        job = self._job(state, index, part)
-        key = await self._key(part)
+    async def _jobs(self, media: list[chat_pb2.ContentPart]) -> list[tuple[str | None, list[_Item]]]:
+        """The request's encode jobs: (the encoder placed on, None: placed per try; its items).
+
+        With a shared store, one job per item (each is looked up, and may load, on its own).
+        Without one, each item is placed as it would be alone, and the items placed on one
+        encoder go in one call: one RPC, started together in one batch (a call per item ran the
+        first alone and queued the others behind it; on a vLLM encoder, one vLLM request each)."""
+        keys = await asyncio.gather(*(self._key(part) for part in media))
+        items = [(index, part, key) for index, (part, key) in enumerate(zip(media, keys, strict=True))]
+        if self._cache.store is not None or len(items) == 1:
+            return [(None, [item]) for item in items]
+        groups: dict[str, list[_Item]] = {}
+        try:
+            for item in items:  # placed as if each were a call already sent: the spread is the same
+                address = self._encoders.pick(key=item[2])
+                if item[2] is not None:
+                    self._encoders.remember(item[2], address)  # the same content again follows it
+                self._encoders.begin(address)
+                groups.setdefault(address, []).append(item)
+        finally:
+            for address, placed in groups.items():
+                for _ in placed:
+                    self._encoders.end(address)
+        return list(groups.items())
+
+    async def _encode(
+        self, state: RequestState, items: list[_Item], deadline: float | None, placed: str | None = None
+    ) -> list[layout_pb2.EncodedMedia]:
+        """One `Encode` call for `items` (request index, part, content hash), on `placed` first when
+        given, moved to another encoder as a whole when it fails there. One item alone may go as a
+        CACHED_ONLY job (`cached_here`)."""
+        job = self._job(state, items)
+        indices = [index for index, _, _ in items]
+        keys = [key for _, _, key in items if key is not None]
+        lone_key = items[0][2] if len(items) == 1 else None
         computing = False  # once a CACHED_ONLY job found nothing, the item is computed on any retry
 
         def place(tried: set[str]) -> str:
-            address = self._encoders.pick(exclude=tried, key=key)
-            if key is not None:
+            nonlocal placed
+            address = placed if placed is not None else self._encoders.pick(exclude=tried, key=lone_key)
+            placed = None  # a retry goes where the pool says
+            for key in keys:
                 self._encoders.remember(key, address)  # concurrent requests for the item follow it here
             return address
 
         async def cached_here(address: str) -> bool:
-            return not computing and await self._in_shared_store(address, key)
+            return not computing and await self._in_shared_store(address, lone_key)
 
-        async def on(address: str) -> layout_pb2.EncodedMedia:
+        async def on(address: str) -> list[layout_pb2.EncodedMedia]:
             nonlocal computing
             try:
                 reply = await self._clients.encode_on(
@@ -115,7 +153,7 @@ class EncodeDispatch:
                     computing = True
                     raise TryAgain from None
                 raise
-            return await self._checked(address, index, reply)
+            return await self._checked(address, indices, reply)
 
         # The first-contact check runs in the try, inside its span (`StageClients.encode_on`).
         encoders = Failover(self._encoders, "encode", ENCODE_RETRIES, deadline, None, pick=place)
@@ -123,17 +161,18 @@ class EncodeDispatch:
             return await encoders.unary(on)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                # The encoder names the field within its own request: items[0].media.X.
-                raise InvalidArgument(f"media item {index}", exc.details() or "") from None
+                # The encoder names the field within its own call: items[k].media.X.
+                raise _invalid_item(exc.details() or "", indices) from None
             raise RpcFailed.of("encode", exc) from None
 
-    def _job(self, state: RequestState, index: int, part: chat_pb2.ContentPart) -> encoder_pb2.EncodeRequest:
+    def _job(self, state: RequestState, items: list[_Item]) -> encoder_pb2.EncodeRequest:
         job = encoder_pb2.EncodeRequest(
             request_id=state.request_id, accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL]
         )
-        # CopyFrom into the added item, not `EncodeItem(media=...)` in the constructor: upb copies
-        # 0.5 MB of media in 0.015 ms this way and in 0.44 ms that way.
-        job.items.add(item_index=index).media.CopyFrom(part.media)
+        for index, part, _ in items:
+            # CopyFrom into the added item, not `EncodeItem(media=...)` in the constructor: upb copies
+            # 0.5 MB of media in 0.015 ms this way and in 0.44 ms that way.
+            job.items.add(item_index=index).media.CopyFrom(part.media)
         return job
 
     async def _key(self, part: chat_pb2.ContentPart) -> str | None:
@@ -152,20 +191,38 @@ class EncodeDispatch:
             return False
         return await self._cache.cached(f"{info.key_prefix}/{key}")
 
-    async def _checked(self, address: str, index: int, reply: encoder_pb2.EncodeResponse) -> layout_pb2.EncodedMedia:
-        """The answer's item, its encoder re-checked: it may have restarted since we checked it."""
-        if len(reply.items) != 1 or reply.items[0].layout.item_index != index:
+    async def _checked(
+        self, address: str, indices: list[int], reply: encoder_pb2.EncodeResponse
+    ) -> list[layout_pb2.EncodedMedia]:
+        """The answer's items, its encoder re-checked: it may have restarted since we checked it."""
+        if [item.layout.item_index for item in reply.items] != indices:
             raise RpcFailed.here("encode", grpc.StatusCode.INTERNAL, f"encoder {address} answered for other items")
-        encoded: layout_pb2.EncodedMedia = reply.items[0]
-        if encoded.embeddings.agent.instance_id:
+        encoded = list(reply.items)
+        instance_id = encoded[0].embeddings.agent.instance_id  # one call, one encoder incarnation
+        if instance_id:
             try:
-                await self._checks.encoder(address, encoded.embeddings.agent.instance_id)
+                await self._checks.encoder(address, instance_id)
             except FailedPrecondition:
-                await self._leases.release_one(address, encoded.embeddings.lease_id)
+                await self._release(address, encoded)
                 raise
             except Unavailable as exc:
-                # Gone since it answered (killed, restarting): the embedding went with it, so this
+                # Gone since it answered (killed, restarting): the embeddings went with it, so this
                 # is an encode that failed, retried elsewhere like one.
-                await self._leases.release_one(address, encoded.embeddings.lease_id)
+                await self._release(address, encoded)
                 raise MemberGone from exc
         return encoded
+
+    async def _release(self, address: str, encoded: list[layout_pb2.EncodedMedia]) -> None:
+        for item in encoded:
+            await self._leases.release_one(address, item.embeddings.lease_id)
+
+
+_Item = tuple[int, chat_pb2.ContentPart, str | None]  # request index, media part, content hash
+
+
+def _invalid_item(details: str, indices: list[int]) -> InvalidArgument:
+    """The encoder's INVALID_ARGUMENT, `items[k]` of its call named as the request's media item."""
+    found = re.match(r"items\[(\d+)\]", details)
+    position = int(found.group(1)) if found else 0
+    index = indices[position] if position < len(indices) else indices[0]
+    return InvalidArgument(f"media item {index}", details)

@@ -175,15 +175,17 @@ class StageClients:
         cached: Callable[[], Awaitable[bool]],
         deadline: float | None,
     ) -> encoder_pb2.EncodeResponse:
-        """`job` (one item) on the encoder at `address` once it passed its first-contact check, at
-        the request's `priority` where the encoder honors it; CACHED_ONLY when `cached()` says the
-        encoder can load it from the store. One `epd.encode.item` span per try, check included."""
+        """`job` (one item, or a request's items placed together) on the encoder at `address` once
+        it passed its first-contact check, at the request's `priority` where the encoder honors it;
+        CACHED_ONLY when `cached()` says the encoder can load it from the store. One
+        `epd.encode.item` span per try, check included (its first item's index and modality)."""
         item = job.items[0]
         with phase(
             "epd.encode.item",
             **{
                 ATTRIBUTION: "rpc",
                 "epd.item_index": item.item_index,
+                "epd.items": len(job.items),
                 "epd.modality": media_pb2.Modality.Name(item.media.modality),
                 "epd.encoder": address,
             },

@@ -87,34 +87,73 @@ def test_a_failing_item_is_retried_on_one_other_encoder_only() -> None:
 
 
 def test_bad_media_is_invalid_argument_and_other_leases_are_released() -> None:
-    h = Harness(n_encoders=1)
+    h = Harness(n_encoders=2)  # slack 0: the two items go to the two encoders, a call each
     request = image_request(2)
-    h.encoders["enc0"].fail = None
 
     async def run() -> None:
-        original = h.encoders["enc0"].Encode
+        for encoder in h.encoders.values():
+            original = encoder.Encode
 
-        async def encode(req: encoder_pb2.EncodeRequest, timeout: float | None = None) -> Any:
-            if req.items[0].item_index == 1:
-                raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "items[0].media.data: corrupt image")
-            return await original(req, timeout=timeout)
+            async def encode(req: encoder_pb2.EncodeRequest, timeout: float | None = None, o: Any = original) -> Any:
+                if req.items[0].item_index == 1:
+                    raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "items[0].media.data: corrupt image")
+                return await o(req, timeout=timeout)
 
-        h.encoders["enc0"].Encode = encode  # type: ignore[method-assign]
+            encoder.Encode = encode  # type: ignore[method-assign]
         await h.tokens(request)
 
     with pytest.raises(InvalidArgument) as caught:
         asyncio.run(run())
     assert caught.value.field == "media item 1" and "corrupt image" in caught.value.problem
-    assert h.leases.released == {"enc0": {"enc0/1"}}
+    ((address, index),) = h.log  # the good item's encoder: its lease given back
+    assert index == 0 and h.leases.released == {address: {f"{address}/1"}}
     assert h.prefill.requests == []
 
 
-def test_embedding_gone_at_prefill_reencodes_once() -> None:
-    h = Harness(prefill_fail_first=grpc.StatusCode.NOT_FOUND)
-    assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]
-    assert len(h.log) == 2 and len(h.prefill.requests) == 2
-    first_lease = h.prefill.requests[0].messages[0].parts[0].encoded.embeddings.lease_id
-    assert first_lease in set().union(*h.leases.released.values())
+def test_a_requests_items_on_one_encoder_go_in_one_call_in_request_order() -> None:
+    h = Harness(n_encoders=1)
+    assert asyncio.run(h.tokens(image_request(3))) == [7, 8, 9]
+    (call,) = h.encoders["enc0"].requests
+    assert [i.item_index for i in call.items] == [0, 1, 2]
+    assert [i.media.data for i in call.items] == [p.media.data for p in image_request(3).messages[0].parts[:3]]
+    (sent,) = h.prefill.requests
+    placed = [p.encoded.layout.item_index for m in sent.messages for p in m.parts if p.HasField("encoded")]
+    assert placed == [0, 1, 2]
+
+
+def test_a_bad_item_in_a_shared_call_is_named_by_its_request_index() -> None:
+    h = Harness(n_encoders=1)
+
+    async def encode(req: encoder_pb2.EncodeRequest, timeout: float | None = None) -> Any:
+        raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "items[2].media.data: corrupt image")
+
+    h.encoders["enc0"].Encode = encode  # type: ignore[method-assign]
+    with pytest.raises(InvalidArgument) as caught:
+        asyncio.run(h.tokens(image_request(3)))
+    assert caught.value.field == "media item 2" and "corrupt image" in caught.value.problem
+    assert h.leases.released == {} and h.prefill.requests == []
+
+
+def test_a_shared_call_that_fails_moves_whole_to_another_encoder() -> None:
+    h = Harness(n_encoders=2)
+    calls: list[tuple[str, list[int]]] = []
+    for address, encoder in h.encoders.items():
+        original = encoder.Encode
+
+        async def encode(
+            req: encoder_pb2.EncodeRequest, timeout: float | None = None, o: Any = original, at: str = address
+        ) -> Any:
+            calls.append((at, [i.item_index for i in req.items]))
+            if len(calls) == 1:
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
+            return await o(req, timeout=timeout)
+
+        encoder.Encode = encode  # type: ignore[method-assign]
+    # The same image twice: one content hash, so one placement and one call.
+    assert asyncio.run(h.tokens(image_request(2, same=True))) == [7, 8, 9]
+    (first, items), (second, again) = calls
+    assert items == again == [0, 1] and first != second
+    assert h.leases.released == {}
 
 
 def test_decode_failure_releases_the_kv_lease() -> None:
@@ -554,7 +593,7 @@ def test_a_raw_prompt_goes_only_to_a_prefill_advertising_prompt_raw() -> None:
 
 
 def test_jobs_beyond_an_encoders_in_flight_bound_wait_in_the_router() -> None:
-    """More items than the bound: the encoder never has more than `encode_in_flight` calls; the
+    """More calls than the bound: the encoder never has more than `encode_in_flight` calls; the
     rest wait in the router (not refused) and go out as calls end."""
     h = Harness(n_encoders=1, encode_in_flight=2)
     encoder = h.encoders["enc0"]
@@ -574,8 +613,8 @@ def test_jobs_beyond_an_encoders_in_flight_bound_wait_in_the_router() -> None:
 
     encoder.Encode = encode  # type: ignore[method-assign]
 
-    async def run() -> list[int]:
-        task = asyncio.ensure_future(h.tokens(image_request(5)))
+    async def run() -> list[list[int]]:
+        task = asyncio.gather(*(h.tokens(image_request(1)) for _ in range(5)))  # a call each
         for _ in range(1000):  # bounded: the five jobs reach the encoder or its bound
             if in_flight == 2:
                 break
@@ -586,8 +625,8 @@ def test_jobs_beyond_an_encoders_in_flight_bound_wait_in_the_router() -> None:
         gate.set()
         return await task
 
-    assert asyncio.run(run()) == [7, 8, 9]
-    assert most == 2 and sorted(i for _, i in h.log) == [0, 1, 2, 3, 4]
+    assert asyncio.run(run()) == [[7, 8, 9]] * 5
+    assert most == 2 and len(h.log) == 5
     assert h.leases.released == {}
 
 

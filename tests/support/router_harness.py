@@ -41,24 +41,29 @@ class Encoder:
         self.cached: set[str] = set()  # mm_hashes a CACHED_ONLY job finds; others answer NOT_FOUND
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, timeout: float | None = None) -> Any:
-        (item,) = request.items
-        self.log.append((self.address, item.item_index))
+        self.log.extend((self.address, item.item_index) for item in request.items)
         self.requests.append(encoder_pb2.EncodeRequest.FromString(request.SerializeToString()))  # as sent
         await asyncio.sleep(0.01)
-        if (
-            request.cache_policy == encoder_pb2.CACHE_POLICY_CACHED_ONLY
-            and wire_content_hash(item.media, item.media.data) not in self.cached
-        ):
-            raise rpc_error(grpc.StatusCode.NOT_FOUND, "items[0]: not in the encoder cache or the shared store")
+        for position, item in enumerate(request.items):
+            if (
+                request.cache_policy == encoder_pb2.CACHE_POLICY_CACHED_ONLY
+                and wire_content_hash(item.media, item.media.data) not in self.cached
+            ):
+                raise rpc_error(
+                    grpc.StatusCode.NOT_FOUND, f"items[{position}]: not in the encoder cache or the shared store"
+                )
         if self.fail is not None:
             raise rpc_error(
                 self.fail, "items[0].media.data: not an image" if self.fail.name == "INVALID_ARGUMENT" else "x"
             )
-        self.leases += 1
-        encoded = samples.encoded_image(item.item_index)
-        encoded.embeddings.lease_id = f"{self.address}/{self.leases}"
-        encoded.embeddings.agent.producer_address = self.address
-        return encoder_pb2.EncodeResponse(items=[encoded])
+        response = encoder_pb2.EncodeResponse()
+        for item in request.items:
+            self.leases += 1
+            encoded = samples.encoded_image(item.item_index)
+            encoded.embeddings.lease_id = f"{self.address}/{self.leases}"
+            encoded.embeddings.agent.producer_address = self.address
+            response.items.append(encoded)
+        return response
 
 
 class Leases:
