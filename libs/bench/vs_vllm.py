@@ -137,14 +137,17 @@ class Point:
     concurrency: int
     prompts: int
     seed: int
+    request_rate: float = math.inf  # requests/s bench serve sends at most (Poisson); inf: as fast as answered
 
 
-def points(datasets: Sequence[str], concurrencies: Sequence[int], prompts: int, prompts_at_64: int) -> list[Point]:
+def points(
+    datasets: Sequence[str], concurrencies: Sequence[int], prompts: int, prompts_at_64: int, rate: float = math.inf
+) -> list[Point]:
     out = []
     for d, name in enumerate(datasets):
         for c, conc in enumerate(concurrencies):
             n = prompts_at_64 if conc >= 64 else prompts
-            out.append(Point(name, conc, max(n, conc), seed=1000 + 100 * d + c))
+            out.append(Point(name, conc, max(n, conc), seed=1000 + 100 * d + c, request_rate=rate))
     return out
 
 
@@ -161,7 +164,7 @@ def bench_serve_args(
         "bench", "serve", "--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions",
         "--model", model, "--tokenizer", tokenizer, *dataset.args(),
         "--num-prompts", str(point.prompts), "--max-concurrency", str(point.concurrency),
-        "--seed", str(point.seed), "--ignore-eos", "--disable-tqdm",
+        "--request-rate", str(point.request_rate), "--seed", str(point.seed), "--ignore-eos", "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
         "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", filename,
     ]  # fmt: skip

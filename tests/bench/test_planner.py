@@ -93,3 +93,28 @@ def test_prefill_chunks_follow_the_measured_services() -> None:
         Workload(mix, clients=6, duration_s=600),
     )
     assert fine.p90("text") <= 0.05 + 0.01 + 0.8 / 4 + 1e-6 < coarse.p90("text")
+
+
+def test_a_profile_counts_the_items_of_shared_encode_calls() -> None:
+    """One `epd.encode.item` span per Encode call: a call of three items counts three items and one
+    encoder job (its engine time), as the router sends a request's items placed on one encoder."""
+    from libs.plan.profile import profile
+    from libs.telemetry.spans import SpanRecord
+
+    ms = 1_000_000
+    trace = "ab" * 16
+
+    def span(sid: str, parent: str, name: str, service: str, start: int, end: int, **attrs: object) -> SpanRecord:
+        return SpanRecord(trace, sid * 16, parent * 16 if parent else "", name, service, start * ms, end * ms, attrs)
+
+    spans = [
+        span("1", "", "GenerateService/Generate", "router", 0, 40, **{"epd.ttft_s": 0.02, "epd.request_id": "r"}),
+        span("2", "1", "epd.encode.item", "router", 1, 10, **{"epd.items": 3, "epd.modality": "MODALITY_IMAGE"}),
+        span("3", "2", "EncoderService/Encode", "encoder", 2, 9),
+        span("4", "3", "encoder.preprocess", "encoder", 2, 4),
+        span("5", "3", "encoder.compute", "encoder", 4, 8),
+        span("6", "1", "prefill.compute", "pd", 11, 18),
+    ]
+    (request,) = profile(spans).requests
+    assert (request.kind, request.items) == ("image", 3)
+    assert request.encode_s == pytest.approx((0.006,))

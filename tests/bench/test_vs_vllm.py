@@ -98,6 +98,11 @@ def test_bench_serve_arguments_name_the_dataset_seed_and_percentiles(tmp_path: P
         and value("--random-mm-bucket-config") == "{(224,224,1): 1.0}"
     )
     assert value("--random-output-len") == "16" and "--ignore-eos" in argv
+    assert value("--request-rate") == "inf"  # bench serve's own default: as fast as answered
+    paced = vs_vllm.bench_serve_args(base_url="http://h:1", model="m", tokenizer="/t", dataset=vs_vllm.DATASETS["3img"],
+                                     point=vs_vllm.points(["3img"], [4], 48, 48, rate=12.5)[0], result_dir=tmp_path,
+                                     filename="x.json")  # fmt: skip
+    assert paced[paced.index("--request-rate") + 1] == "12.5"
     assert value("--max-concurrency") == "4" and value("--num-prompts") == "48"
     assert value("--metric-percentiles") == "50,90,99"
 

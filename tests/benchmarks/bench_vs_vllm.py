@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -43,6 +44,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--prompts-at-64", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s bench serve sends at most, Poisson arrivals (default: inf, each concurrency slot as soon "
+        "as its answer ends): the same offered load for every configuration",
+    )
     parser.add_argument("--ready-timeout-s", type=float, default=420.0, help="per configuration start")
     parser.add_argument("--point-timeout-s", type=float, default=300.0, help="per bench serve run")
     parser.add_argument(
@@ -71,7 +79,7 @@ def main() -> None:
     if bad := [d for d in datasets if d not in vs_vllm.DATASETS]:
         parser.error(f"--datasets: unknown {bad}; known: {', '.join(vs_vllm.DATASETS)}")
     concurrencies = [int(c) for c in ns.concurrency.split(",") if c]
-    pts = vs_vllm.points(datasets, concurrencies, ns.prompts, ns.prompts_at_64)
+    pts = vs_vllm.points(datasets, concurrencies, ns.prompts, ns.prompts_at_64, ns.request_rate)
     model = ensure_checkpoint(FAMILY, "tiny")
     engine = vs_vllm.Engine()
     work = ROOT / "var/run/bench-vs-vllm"
