@@ -1,13 +1,14 @@
-"""Encode dispatch: each media item of a request to an encoder, concurrently, and the
+"""Encode dispatch: the media items of a request to encoders, concurrently, and the
 metadata-only messages that result.
 
 Per item: the content hash (when the shared store or the placement among several encoders needs
-it), the encoder `EncoderPool` places it on (the one already holding or encoding it, else a
-load-bounded rendezvous choice), first-contact check, and the `Encode` call through `Failover`
-with the encode retries (services/router/policy.py: one retry on another encoder, the drain wait
-for a stage that is going away). An item in the shared store the encoder loads from goes as a
-CACHED_ONLY job, so no encoder computes it; an entry gone since the lookup is computed by the same
-encoder on the next try. The answer's handle names the encoder's incarnation:
+it) and the encoder `EncoderPool` places it on (the one already holding or encoding it, else a
+load-bounded rendezvous choice). The items placed on one encoder go in one `Encode` call (one
+call per item with a shared store), with the first-contact check, through `Failover` with the
+encode retries (services/router/policy.py: one retry on another encoder, the call's items
+together; the drain wait for a stage that is going away). An item in the shared store the encoder
+loads from goes as a CACHED_ONLY job, so no encoder computes it; an entry gone since the lookup is
+computed by the same encoder on the next try. The answer's handle names the encoder's incarnation:
 re-checked, an encoder gone since it answered took the embedding along, which is retried as a
 failed encode. Every embedding a request gets is held by its `RequestState` (released by the
 router when the request ends without prefill acking it), whether or not its siblings succeed.
