@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from libs.contract.errors import EpdError
+from libs.contract.errors import EpdError, InvalidArgument
 from libs.runtime import types as eng
 from libs.runtime.errors import InvalidMediaError
 from libs.serving.compute_thread import ComputeThread
@@ -84,6 +84,21 @@ def test_a_lone_call_runs_at_once() -> None:
     runner, (first, second) = _run(16, scenario)
     assert runner.batches == [[[b"a"]], [[b"b"]]]
     assert (first, second) == (["encoded:a"], ["encoded:b"])
+
+
+def test_one_requests_items_sent_together_to_an_idle_thread_share_one_forward() -> None:
+    """How the reference encoder runs an Encode call's items: a batcher call each, all in one tick
+    (one forward), each error naming its item's position in the Encode call."""
+
+    async def scenario(batcher: EncodeBatcher) -> list[Any]:
+        names = ["a", "bad-bytes", "c"]
+        calls = (batcher.encode([image(n)], field_prefix=f"items[{i}]") for i, n in enumerate(names))
+        return list(await asyncio.gather(*calls, return_exceptions=True))
+
+    runner, results = _run(16, scenario)
+    assert runner.batches == [[[b"a"], [b"bad-bytes"], [b"c"]]]
+    assert results[0] == ["encoded:a"] and results[2] == ["encoded:c"]
+    assert isinstance(results[1], InvalidArgument) and results[1].field == "items[1].media.data"
 
 
 def test_videos_and_audio_run_alone_and_batches_keep_their_item_bound() -> None:

@@ -106,10 +106,18 @@ class ReferenceEncoder(EncoderBackend):
         media = job_media(request, max_bytes=self.limits.max_inline_media_bytes, file_root=self.file_root)
         if request.cache_policy == encoder_pb2.CACHE_POLICY_CACHED_ONLY:
             encoded = list(await asyncio.gather(*(self._from_cache(m, i) for i, m in enumerate(media))))
-        elif self.cache is None:
-            encoded = await self.batcher.encode(media)
         else:
-            encoded = list(await asyncio.gather(*(self._through_cache(self.cache, m) for m in media)))
+            # Item by item, each error naming its item: the batcher runs the items that queue
+            # together (all of a call's images) in one forward.
+            cache = self.cache
+            encoded = list(
+                await asyncio.gather(
+                    *(
+                        self._through_cache(cache, m, i) if cache is not None else self._computed(m, i)
+                        for i, m in enumerate(media)
+                    )
+                )
+            )
         nixl = tensor_pb2.TRANSPORT_KIND_NIXL in request.accepted_transports
         producer = self.transport.producer
         assert producer is not None, "the transport is bound once the server listens"
@@ -143,13 +151,16 @@ class ReferenceEncoder(EncoderBackend):
         )
         return result.entry.to_item(media.item_index)
 
-    async def _through_cache(self, cache: EncoderCache, media: MediaInput) -> EncodedItem:
+    async def _computed(self, media: MediaInput, position: int) -> EncodedItem:
+        (item,) = await self.batcher.encode([media], field_prefix=f"items[{position}]")
+        return item
+
+    async def _through_cache(self, cache: EncoderCache, media: MediaInput, position: int) -> EncodedItem:
         """Local cache, then the shared store, then the tower; concurrent requests for one item
         compute it once (single-flight) and later ones reuse it."""
 
         async def compute() -> CacheEntry:
-            (item,) = await self.batcher.encode([media])
-            return CacheEntry.from_item(cache.namespace, item)
+            return CacheEntry.from_item(cache.namespace, await self._computed(media, position))
 
         result = await cache.get_or_compute(cache.key(media_hash(media)), compute)
         trace.get_current_span().add_event(
