@@ -222,8 +222,11 @@ _Item = tuple[int, chat_pb2.ContentPart, str | None]  # request index, media par
 
 
 def _invalid_item(details: str, indices: list[int]) -> InvalidArgument:
-    """The encoder's INVALID_ARGUMENT, `items[k]` of its call named as the request's media item."""
+    """The encoder's INVALID_ARGUMENT, `items[k]` of its call named as the request's media item
+    (the call's items, when the encoder named none of them)."""
     found = re.match(r"items\[(\d+)\]", details)
-    position = int(found.group(1)) if found else 0
-    index = indices[position] if position < len(indices) else indices[0]
-    return InvalidArgument(f"media item {index}", details)
+    if found is not None and int(found.group(1)) < len(indices):
+        return InvalidArgument(f"media item {indices[int(found.group(1))]}", details)
+    if len(indices) == 1:
+        return InvalidArgument(f"media item {indices[0]}", details)
+    return InvalidArgument(f"media items {', '.join(map(str, indices))}", details)

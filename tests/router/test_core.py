@@ -133,6 +133,14 @@ def test_a_bad_item_in_a_shared_call_is_named_by_its_request_index() -> None:
     assert caught.value.field == "media item 2" and "corrupt image" in caught.value.problem
     assert h.leases.released == {} and h.prefill.requests == []
 
+    async def unnamed(req: encoder_pb2.EncodeRequest, timeout: float | None = None) -> Any:
+        raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "request: too large")
+
+    h.encoders["enc0"].Encode = unnamed  # type: ignore[method-assign]
+    with pytest.raises(InvalidArgument) as caught:  # no item named: the call's items, not a guess
+        asyncio.run(h.tokens(image_request(3)))
+    assert caught.value.field == "media items 0, 1, 2"
+
 
 def test_a_shared_call_that_fails_moves_whole_to_another_encoder() -> None:
     h = Harness(n_encoders=2)
