@@ -83,6 +83,19 @@ class ChunkedEngineSettings(ChunkedPrefillSettings, EngineSettings):
 
 
 @dataclasses.dataclass(frozen=True)
+class PrefillDecodeEngineSettings(ChunkedEngineSettings):
+    """A service that prefills and decodes with a choice of engine (PD)."""
+
+    prefill_batch_steps: int = setting(
+        16,
+        "vLLM: engine steps between two rounds of new requests going in while others run: a request arriving "
+        "mid-window waits for the window's end (at most this many steps of the running batch; never while "
+        "nothing runs) and is prefilled with the others that arrived in it, so decoding sequences are stalled "
+        "by prefills once per window; 0: every request goes in at once (vLLM's own behaviour)",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class EncoderBackendSettings(EngineSettings):
     """The encoder's backend: the reference runtime (its output cache) or vLLM encoder-only (the
     vLLM settings above; the cache settings are the reference's)."""

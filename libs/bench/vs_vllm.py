@@ -11,6 +11,8 @@ Configurations (same checkpoint, same requests: `bench serve --seed`):
   `epd-e/p/d-dgate`: the router starts no prefill its decode has no slot for, told the decode's
   batch (`--decode-in-flight 8`; since contract 1.7 the router's default reads the same bound from
   the decode); `epd-e/p/d-nogate`: no such bound (`--decode-in-flight 0`, the default before 1.7);
+  `epd-e+pd-unbatched`, `epd-e+pd-vllmenc-unbatched`: the PD letting every request into vLLM as it
+  arrives (`--prefill-batch-steps 0`, the default before 2026-12-05), not in rounds;
   `epd-e+pd-traced`, `epd-e/p/d-traced`: every EPD service recording its spans (JSONL exporter, a file
   under the run directory; the others export none and so record none, as vLLM without
   `--otlp-traces-endpoint`);
@@ -54,7 +56,7 @@ CONFIGS = (
     "epd-e+pd", "epd-e+pd-vllmenc", "vllm-e+pd", "vllm-unsplit", "epd-e/p/d", "epd-e/p/d-vllmenc", "vllm-e/p/d",
     "vllm-e+pd-uni", "vllm-e/p/d-uni", "vllm-unsplit-uni", "epd-e+pd-doorproc", "epd-e/p/d-doorproc",
     "epd-e+pd-uvloop", "epd-e/p/d-uvloop", "epd-e/p/d-dgate", "epd-e+pd-traced", "epd-e/p/d-traced",
-    "epd-e/p/d-nogate", "epd-e+pd-vllmenc-traced",
+    "epd-e/p/d-nogate", "epd-e+pd-vllmenc-traced", "epd-e+pd-unbatched", "epd-e+pd-vllmenc-unbatched",
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
@@ -63,6 +65,7 @@ UVLOOP = "-uvloop"  # suffix: every EPD service on uvloop's event loop (`--event
 DECODE_GATE = "-dgate"  # suffix: the router starts no prefill its decode has no slot for (`--decode-in-flight`)
 NO_DECODE_GATE = "-nogate"  # suffix: prefills run ahead of decode (`--decode-in-flight 0`)
 TRACED = "-traced"  # suffix: every EPD service records its spans (JSONL exporter)
+UNBATCHED = "-unbatched"  # suffix: the PD lets every request into vLLM at once (`--prefill-batch-steps 0`)
 DECODE_SLOTS = 8  # the decode's batch as EPD runs vLLM (`--max-batch`, vLLM's max_num_seqs)
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
 PEERS = {
@@ -72,6 +75,7 @@ PEERS = {
     "epd-e+pd-uvloop": "vllm-e+pd", "epd-e/p/d-uvloop": "vllm-e/p/d", "epd-e/p/d-dgate": "vllm-e/p/d",
     "epd-e+pd-traced": "vllm-e+pd", "epd-e/p/d-traced": "vllm-e/p/d", "epd-e/p/d-nogate": "vllm-e/p/d",
     "epd-e+pd-vllmenc-traced": "vllm-e+pd",
+    "epd-e+pd-unbatched": "vllm-e+pd", "epd-e+pd-vllmenc-unbatched": "vllm-e+pd",
 }  # fmt: skip
 UNSPLIT = "vllm-unsplit"
 
@@ -442,13 +446,15 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
     name = model.name
     if config.startswith("epd-"):
         variant = config.removeprefix("epd-")
-        suffixes = (DOOR_PROCESS, UVLOOP, DECODE_GATE, NO_DECODE_GATE, TRACED)
-        door_process, uvloop, gate, no_gate, traced = (variant.endswith(s) for s in suffixes)
+        suffixes = (DOOR_PROCESS, UVLOOP, DECODE_GATE, NO_DECODE_GATE, TRACED, UNBATCHED)
+        door_process, uvloop, gate, no_gate, traced, unbatched = (variant.endswith(s) for s in suffixes)
         for suffix in suffixes:
             variant = variant.removesuffix(suffix)
         env = {"EPD_EVENT_LOOP": "uvloop"} if uvloop else {}
         in_flight = str(DECODE_SLOTS) if gate else "0" if no_gate else None
-        router_args = {"router": ["--decode-in-flight", in_flight]} if in_flight is not None else {}
+        service_args = {"router": ["--decode-in-flight", in_flight]} if in_flight is not None else {}
+        if unbatched:
+            service_args["pd"] = ["--prefill-batch-steps", "0"]
         if traced:
             env |= {"EPD_TRACE_EXPORTER": "jsonl", "EPD_TRACE_FILE": str(run_dir / "spans.jsonl")}
         vllm_encoder = variant.endswith(VLLM_ENCODER)
@@ -457,7 +463,7 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
                          encoder_engine="vllm" if vllm_encoder else "reference",
                          ready_timeout_s=ready_timeout_s, openai_door=True, door_in_router=not door_process,
                          env=env,
-                         extra_args=router_args)  # fmt: skip
+                         extra_args=service_args)  # fmt: skip
         with Stack(spec).running() as stack:
             dep = Deployment(config, stack.door_url.removesuffix("/v1"), name, stack=stack,
                              note="vLLM encoder" if vllm_encoder else "reference encoder")  # fmt: skip

@@ -160,6 +160,8 @@ def _check_ranges(settings: Any) -> None:
     chunk = getattr(settings, "prefill_chunk_tokens", 1)
     if chunk < 1:
         raise SettingsError(f"{flag_name('prefill_chunk_tokens')}: {chunk} is not a positive number of tokens")
+    if getattr(settings, "prefill_batch_steps", 0) < 0:
+        raise SettingsError(f"{flag_name('prefill_batch_steps')}: {settings.prefill_batch_steps} is below 0")
     _check_engine_life(settings)
     _check_engine_device(settings)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from libs.backends import registry
 from libs.backends.api import PrefillDecodeBackend
-from libs.backends.settings import ChunkedEngineSettings
+from libs.backends.settings import PrefillDecodeEngineSettings
 from libs.contract.epd.v1 import prefill_decode_pb2, prefill_decode_pb2_grpc, service_info_pb2
 from libs.hosting.parts import backend_info, backend_parts
 from libs.rpc.admission import Admission, admitted
@@ -18,7 +18,7 @@ from services.pd.core import PrefillDecodeCore
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillDecodeSettings(ChunkedEngineSettings):
+class PrefillDecodeSettings(PrefillDecodeEngineSettings):
     """PD: metadata-only requests -> prefill and decode in one process (E+PD layout)."""
 
 

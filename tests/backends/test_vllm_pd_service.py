@@ -191,6 +191,49 @@ def test_requests_waiting_in_vllm_are_scheduled_by_priority(pd: PdService) -> No
         time.sleep(0.1)
 
 
+def _held_so_far(pd: PdService) -> float:
+    """Requests the service held for a round so far (`pd.prefill_batch` spans' histogram count)."""
+    return sum(sample_values(pd.metrics(), "epd_stage_duration_seconds_count", 'epd_span="pd.prefill_batch"'))
+
+
+@pytest.mark.timeout(300)
+def test_a_request_arriving_mid_decode_waits_in_the_service_for_the_next_round(pd: PdService) -> None:
+    """--prefill-batch-steps (16 by default): a request reaching the PD while another decodes is held
+    by the service, not queued in vLLM, until the running one made 16 steps; then it goes into vLLM
+    (here behind the running one: a batch of one) and is served as it would be alone."""
+    alone = asyncio.run(_generate(pd.address, _request("alone", "Say hi.", 4)))
+    held_before = _held_so_far(pd)
+
+    async def scenario() -> tuple[float, list[int]]:
+        async with open_channel(pd.address) as channel:
+            stub = prefill_decode_pb2_grpc.PrefillDecodeServiceStub(channel)
+            decoding_req = _request("decoding", "Count on.", FILLER_TOKENS)
+            decoding_req.sampling.ignore_eos = True
+            decoding = TokenStream(stub.PrefillDecode(decoding_req, timeout=240))
+            running = asyncio.ensure_future(decoding.run())
+            try:
+                await asyncio.wait_for(decoding.first.wait(), 120)
+                arriving = TokenStream(stub.PrefillDecode(_request("arriving", "Say hi.", 4), timeout=240))
+                late = asyncio.ensure_future(arriving.run())
+                await until_in_flight(pd.address, 2)  # admitted by the service
+                for _ in range(3000):  # into vLLM once let in: waiting there behind the running one
+                    if await asyncio.to_thread(pd.gauge, "vllm:num_requests_waiting") == 1:
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError("the arriving request never reached vLLM")
+                held = await asyncio.to_thread(_held_so_far, pd) - held_before  # recorded as it went in
+                decoding.call.cancel()  # vLLM's one slot frees
+                return held, await asyncio.wait_for(late, 120)
+            finally:
+                decoding.call.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+
+    held, tokens = asyncio.run(scenario())
+    assert held == 1
+    assert tokens == alone
+
+
 async def _drained(pd: PdService, texts: list[str]) -> tuple[int, list[str], list[list[int]]]:
     async with open_channel(pd.address) as channel:
         stub = prefill_decode_pb2_grpc.PrefillDecodeServiceStub(channel)

@@ -85,6 +85,15 @@ def test_prefill_chunk_must_be_positive() -> None:
         load_settings(PrefillLike, argv=[], env={"EPD_PREFILL_CHUNK_TOKENS": "0"})
 
 
+def test_prefill_batch_steps_is_a_pd_setting_and_not_negative() -> None:
+    from services.pd.service import PrefillDecodeSettings
+
+    assert load_settings(PrefillDecodeSettings, argv=[], env={}).prefill_batch_steps == 16
+    assert load_settings(PrefillDecodeSettings, argv=["--prefill-batch-steps", "0"], env={}).prefill_batch_steps == 0
+    with pytest.raises(SettingsError, match="--prefill-batch-steps: -1 is below 0"):
+        load_settings(PrefillDecodeSettings, argv=["--prefill-batch-steps", "-1"], env={})
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -11,7 +11,7 @@ import torch
 from libs.backends.api import PrefillDecodeBackend
 from libs.backends.identity import capability
 from libs.backends.in_flight import InFlight
-from libs.backends.settings import ChunkedEngineSettings
+from libs.backends.settings import PrefillDecodeEngineSettings
 from libs.contract.epd.v1 import prefill_decode_pb2, service_info_pb2
 from libs.runtime import types as eng
 from libs.runtime.decode_runner import DecodeRunner
@@ -83,7 +83,7 @@ class ReferencePrefillDecode(PrefillDecodeBackend):
         self.transport.close()
 
 
-async def start(settings: ChunkedEngineSettings) -> ReferencePrefillDecode:
+async def start(settings: PrefillDecodeEngineSettings) -> ReferencePrefillDecode:
     """Load the model; the transport only consumes (the encoders' embeddings)."""
     torch.set_num_threads(settings.torch_threads)
     runtime = LanguageModelRuntime(settings.model)

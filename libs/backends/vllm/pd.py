@@ -25,7 +25,8 @@ import structlog
 from libs.backends.api import PrefillDecodeBackend
 from libs.backends.identity import capability
 from libs.backends.in_flight import InFlight
-from libs.backends.settings import EngineSettings
+from libs.backends.prefill_batching import PrefillBatching
+from libs.backends.settings import PrefillDecodeEngineSettings
 from libs.backends.vllm import runtime
 from libs.backends.vllm.plugin import WHISPER_TIMESTAMPS_ARG
 from libs.backends.vllm.requests import RequestPlanner, failure_path, with_encoder_states
@@ -36,7 +37,7 @@ from libs.contract.errors import EpdError
 from libs.runtime import types as eng
 from libs.serving import convert
 from libs.serving.speech import speech_capabilities, transcription_spec
-from libs.telemetry.stages import record_duration, stage, start_phase
+from libs.telemetry.stages import record_duration, record_stage, stage, start_phase
 
 _log = structlog.get_logger(__name__)
 _FINISH = {"length": eng.FinishReason.LENGTH}
@@ -47,7 +48,7 @@ class VllmPrefillDecode(PrefillDecodeBackend):
 
     name = "vllm"
 
-    def __init__(self, settings: EngineSettings, planner: RequestPlanner, failure_dir: Path) -> None:
+    def __init__(self, settings: PrefillDecodeEngineSettings, planner: RequestPlanner, failure_dir: Path) -> None:
         self.planner = planner
         self.weights_digest = planner.checkpoint.weights_digest()
         # The embeddings' reads, also this service's transport as the reference PD's (stats, pool).
@@ -67,6 +68,7 @@ class VllmPrefillDecode(PrefillDecodeBackend):
         self.max_running = settings.max_running
         self.in_flight = InFlight()
         self._active = 0
+        self.batching = PrefillBatching(settings.prefill_batch_steps)
 
     def embedding_specs(self) -> list[eng.EmbeddingSpec]:
         return self.planner.expected_specs()
@@ -117,6 +119,7 @@ class VllmPrefillDecode(PrefillDecodeBackend):
         started = time.perf_counter()
         span = None
         items = None
+        ticket = None
         try:
             items, slots = await read_items(
                 self.reads, self.planner, request_id, request.messages, planned.uuids, deadline
@@ -130,11 +133,16 @@ class VllmPrefillDecode(PrefillDecodeBackend):
             default_max_tokens = planned.max_tokens or self._default_max_tokens
             extra = {WHISPER_TIMESTAMPS_ARG: sampling.timestamps} if planned.speech else None
             params = runtime.sampling_params(sampling, default_max_tokens, slots, extra_args=extra)
+            held_from = time.time_ns()
+            ticket = await self.batching.enter(deadline)
+            if ticket.held:
+                record_stage("pd.prefill_batch", "queue", held_from, time.time_ns())
             engine = self.supervisor.engine()
             llm = engine.llm
             stream = llm.generate(prompt, params, request_id, priority=runtime.engine_priority(priority))
             with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as prefill_span:
                 first = await engine.next(stream, deadline)
+                ticket.stepped()
                 prefill_span.set_attribute("epd.prompt_tokens", len(first.prompt_token_ids or ()))
             raise_load_failure(failure)  # before anything built on missing embeddings is streamed
             span = start_phase("decode.generate", **{"epd.stage": "decode", "epd.engine": "vllm"})
@@ -150,12 +158,15 @@ class VllmPrefillDecode(PrefillDecodeBackend):
                 if finished:
                     return
                 out = await engine.next(stream, deadline)
+                ticket.stepped()
         except EpdError:
             raise
         except Exception as exc:
             raise runtime.engine_error(exc) from exc
         finally:
             self._active -= 1
+            if ticket is not None:
+                ticket.leave()
             failure.unlink(missing_ok=True)
             if items is not None:
                 # vLLM is done with the request (finished, failed or aborted by the stream's close):
@@ -172,7 +183,7 @@ class VllmPrefillDecode(PrefillDecodeBackend):
         shutil.rmtree(self._failure_dir, ignore_errors=True)
 
 
-async def start(settings: EngineSettings) -> VllmPrefillDecode:
+async def start(settings: PrefillDecodeEngineSettings) -> VllmPrefillDecode:
     """Start vLLM's engine (30-50 s on 2 cores): a consumer of the encoders' embeddings."""
     runtime.refuse_unsupported(settings.model, "e+pd")
     planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)

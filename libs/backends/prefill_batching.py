@@ -1,0 +1,96 @@
+"""Prefill batching: while requests run in the engine, a new one waits to go in with others.
+
+A continuous-batching engine runs a new request's prefill in a step that every decoding sequence
+waits for. Requests that reach a busy engine one by one each stall its decoding batch; let in
+together at most once every `max_steps` engine steps, they stall it once per window, and the
+sequences decoding in between step at their own pace. The price is first-token time: a request
+waits at most `max_steps` of the running batch's steps, and never while nothing runs. TGI's router
+holds requests the same way (`--max-waiting-tokens`).
+
+Used from one event loop (the backend's request coroutines): `enter()` before a request goes into
+the engine, then its ticket's `stepped()` for each output read from the engine and `leave()` once
+the request is out of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from libs.contract.errors import DeadlineExceeded
+
+
+class Ticket:
+    """One request let into the engine."""
+
+    def __init__(self, batching: PrefillBatching, held: bool) -> None:
+        self._batching = batching
+        self.held = held  # it waited to go in with others
+        self._round = batching.round
+        self._outputs = 0  # read since requests last went in
+
+    def stepped(self) -> None:
+        """One output of the request was read: one engine step, for it."""
+        batching = self._batching
+        if self._round != batching.round:
+            self._round, self._outputs = batching.round, 0
+        self._outputs += 1
+        if self._outputs > batching.steps:
+            batching.steps = self._outputs
+            batching.release_if_due()
+
+    def leave(self) -> None:
+        """The request is out of the engine (finished, failed or aborted)."""
+        self._batching.running -= 1
+        self._batching.release_if_due()
+
+
+class PrefillBatching:
+    """Holds new requests while others run, and lets them into the engine together."""
+
+    def __init__(self, max_steps: int) -> None:
+        """`max_steps`: engine steps between two rounds of requests going in (0: none is held)."""
+        self.max_steps = max_steps
+        self.running = 0  # requests let into the engine and not out of it
+        self.round = 0  # how many times requests went in
+        self.steps = 0  # the most outputs one request read since then: the engine's steps
+        self._held: list[asyncio.Future[None]] = []
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    async def enter(self, deadline: float | None = None) -> Ticket:
+        """Return once the request may go into the engine; DEADLINE_EXCEEDED if `deadline` (a
+        `time.monotonic()` instant) passes first. The ticket must `leave()`."""
+        if self.max_steps <= 0 or self.running == 0 or (self.steps >= self.max_steps and not self._held):
+            self._let_in(1)
+            return Ticket(self, held=False)
+        turn = asyncio.get_running_loop().create_future()
+        self._held.append(turn)
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await asyncio.wait_for(asyncio.shield(turn), timeout)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if turn.done():
+                self.running -= 1  # let in just as it gave up: counted in `_let_in`
+                self.release_if_due()
+            else:
+                turn.cancel()
+                self._held.remove(turn)
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded("deadline passed while waiting to be prefilled with others") from None
+            raise
+        return Ticket(self, held=True)
+
+    def release_if_due(self) -> None:
+        if self._held and (self.running == 0 or self.steps >= self.max_steps):
+            turns, self._held = self._held, []
+            self._let_in(len(turns))
+            for turn in turns:
+                turn.set_result(None)
+
+    def _let_in(self, count: int) -> None:
+        self.running += count
+        self.round += 1
+        self.steps = 0
