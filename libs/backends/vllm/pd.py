@@ -2,7 +2,8 @@
 
 The service validates and plans each request (`requests.py`), reads its embeddings over NIXL into
 its shared pool (first contact with each encoder checked; the request's deadline; while it reads,
-vLLM steps every other sequence on), then submits it to `AsyncLLM`, whose worker copies them into
+vLLM steps every other sequence on), waits for the next round if others run (`--prefill-batch-steps`,
+`libs/backends/prefill_batching.py`), then submits it to `AsyncLLM`, whose worker copies them into
 its encoder cache through the project's EC connector. Tokens stream back per step
 (`RequestOutputKind.DELTA`). A request whose embeddings could not be read fails with the
 transfer's typed status before vLLM sees it; a dead engine fails its requests with UNAVAILABLE
