@@ -63,7 +63,8 @@ class PrefillBatching:
     async def enter(self, deadline: float | None = None) -> Ticket:
         """Return once the request may go into the engine; DEADLINE_EXCEEDED if `deadline` (a
         `time.monotonic()` instant) passes first. The ticket must `leave()`."""
-        if self.max_steps <= 0 or self.running == 0 or (self.steps >= self.max_steps and not self._held):
+        # The window is over, or there is none: in at once (nobody is held then, `release_if_due`).
+        if self.max_steps <= 0 or self.running == 0 or self.steps >= self.max_steps:
             self._let_in(1)
             return Ticket(self, held=False)
         turn = asyncio.get_running_loop().create_future()
