@@ -43,6 +43,7 @@ def test_the_defaults_are_todays_cpu_values() -> None:
     assert (args["dtype"], args["enforce_eager"], args["tensor_parallel_size"]) == ("float32", True, 1)
     assert args["kv_cache_memory_bytes"] == 64 << 20 and "gpu_memory_utilization" not in args
     assert args["long_prefill_token_threshold"] == 64
+    assert args["long_prefill_token_threshold_adaptive"] is True  # 64 is a floor: a fair share when more
     assert "max_num_batched_tokens" not in args  # vLLM's own budget
     assert args["kv_transfer_config"]["kv_buffer_device"] == "cpu"
     assert args["ec_transfer_config"]["ec_connector_extra_config"] == {"failure_dir": str(FAILURES)}
@@ -88,10 +89,16 @@ def test_the_engine_host_ip_overrides_the_listen_address_and_the_side_channel_po
     assert 0 < port <= 65535
 
 
+def test_fixed_prefill_chunks_reach_vllm_when_the_fair_share_is_off() -> None:
+    args = _args(_settings(["--prefill-chunk-tokens", "32", "--no-prefill-chunk-fair-share"]))
+    assert (args["long_prefill_token_threshold"], args["long_prefill_token_threshold_adaptive"]) == (32, False)
+
+
 def test_decode_and_pd_get_no_chunking_and_decode_no_encoder_cache() -> None:
     settings = _settings([], EngineSettings)
     args = _args(settings, ec=False, kv=runtime.KvTransfer("kv_consumer", "epd-decode-abc", 1))
-    assert "long_prefill_token_threshold" not in args and "ec_transfer_config" not in args
+    assert "long_prefill_token_threshold" not in args and "long_prefill_token_threshold_adaptive" not in args
+    assert "ec_transfer_config" not in args
     pd = _args(settings, kv=None)
     assert "kv_transfer_config" not in pd and "worker_extension_cls" not in pd
 

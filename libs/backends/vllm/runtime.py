@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from libs.backends.identity import model_type, refusal
-from libs.backends.settings import EncoderBackendSettings, EngineSettings
+from libs.backends.settings import ChunkedEngineSettings, EncoderBackendSettings, EngineSettings
 from libs.backends.vllm import engine_polling
 from libs.backends.vllm.plugin import WHISPER_ARCHITECTURE, WHISPER_LOGITS
 from libs.backends.vllm.shared_pool import SlotDescriptor
@@ -191,6 +191,8 @@ def engine_args(
         # running or waiting, one prompt gets at most this many tokens of a step, so a short text
         # request is not held behind a whole multimodal prefill (a lone prompt still runs whole).
         args["long_prefill_token_threshold"] = min(settings.prefill_chunk_tokens, args["max_model_len"])
+    if isinstance(settings, ChunkedEngineSettings):
+        args["long_prefill_token_threshold_adaptive"] = settings.prefill_chunk_fair_share
     if ec_consumer:
         args["ec_transfer_config"] = dict(
             ec_connector="EpdECConnector",
