@@ -1,11 +1,13 @@
 """Prefill batching: while requests run in the engine, a new one waits to go in with others.
 
 A continuous-batching engine runs a new request's prefill in a step that every decoding sequence
-waits for. Requests that reach a busy engine one by one each stall its decoding batch; let in
+waits for. Requests that reach a full engine one by one each stall its decoding batch; let in
 together at most once every `max_steps` engine steps, they stall it once per window, and the
 sequences decoding in between step at their own pace. The price is first-token time: a request
-waits at most `max_steps` of the running batch's steps, and never while nothing runs. TGI's router
-holds requests the same way (`--max-waiting-tokens`).
+waits at most `max_steps` of the running batch's steps. It is held only while the engine's batch is
+full: with a free slot the engine starts it in its next step, and holding it would cost its first
+token and the engine a sequence to step for nothing (measured: a third less throughput at 4
+clients on an 8-sequence batch). TGI's router holds requests the same way (`--max-waiting-tokens`).
 
 Used from one event loop (the backend's request coroutines): `enter()` before a request goes into
 the engine, then its ticket's `stepped()` for each output read from the engine and `leave()` once
@@ -48,9 +50,11 @@ class Ticket:
 class PrefillBatching:
     """Holds new requests while others run, and lets them into the engine together."""
 
-    def __init__(self, max_steps: int) -> None:
-        """`max_steps`: engine steps between two rounds of requests going in (0: none is held)."""
+    def __init__(self, max_steps: int, batch: int = 1) -> None:
+        """`max_steps`: engine steps between two rounds of requests going in (0: none is held);
+        `batch`: sequences the engine steps together (a request is held only while that many run)."""
         self.max_steps = max_steps
+        self.batch = max(1, batch)
         self.running = 0  # requests let into the engine and not out of it
         self.round = 0  # how many times requests went in
         self.steps = 0  # the most outputs one request read since then: the engine's steps
@@ -63,8 +67,9 @@ class PrefillBatching:
     async def enter(self, deadline: float | None = None) -> Ticket:
         """Return once the request may go into the engine; DEADLINE_EXCEEDED if `deadline` (a
         `time.monotonic()` instant) passes first. The ticket must `leave()`."""
-        # The window is over, or there is none: in at once (nobody is held then, `release_if_due`).
-        if self.max_steps <= 0 or self.running == 0 or self.steps >= self.max_steps:
+        # A free slot, the window is over, or there is none: in at once (nobody is held then,
+        # `release_if_due`).
+        if self.max_steps <= 0 or self._due:
             self._let_in(1)
             return Ticket(self, held=False)
         turn = asyncio.get_running_loop().create_future()
@@ -84,8 +89,12 @@ class PrefillBatching:
             raise
         return Ticket(self, held=True)
 
+    @property
+    def _due(self) -> bool:
+        return self.running < self.batch or self.steps >= self.max_steps
+
     def release_if_due(self) -> None:
-        if self._held and (self.running == 0 or self.steps >= self.max_steps):
+        if self._held and self._due:
             turns, self._held = self._held, []
             self._let_in(len(turns))
             for turn in turns:

@@ -96,9 +96,9 @@ class PrefillDecodeEngineSettings(ChunkedEngineSettings):
 
     prefill_batch_steps: int = setting(
         16,
-        "vLLM: engine steps between two rounds of new requests going in while others run: a request arriving "
-        "mid-window waits for the window's end (at most this many steps of the running batch; never while "
-        "nothing runs) and is prefilled with the others that arrived in it, so decoding sequences are stalled "
+        "vLLM: engine steps between two rounds of new requests going in while the batch (--max-batch) is full: "
+        "a request arriving then waits for the window's end or a free slot (at most this many steps of the "
+        "running batch) and is prefilled with the others that arrived in it, so decoding sequences are stalled "
         "by prefills once per window; 0: every request goes in at once (vLLM's own behaviour)",
     )
 

@@ -18,7 +18,10 @@ pytestmark = pytest.mark.unit
 
 
 def _run(scenario: Callable[[], Awaitable[Any]]) -> Any:
-    return asyncio.run(scenario())
+    async def bounded() -> Any:
+        return await asyncio.wait_for(scenario(), 10)  # a request held forever fails, not hangs
+
+    return asyncio.run(bounded())
 
 
 async def _settled() -> None:
@@ -94,6 +97,32 @@ def test_the_held_go_in_when_the_running_leave() -> None:
         running.leave()  # finished (or failed) long before the window's end
         ticket = await waiting
         assert ticket.held and batching.running == 1
+
+    _run(scenario)
+
+
+def test_only_a_full_batch_holds_and_a_freed_slot_lets_the_held_in() -> None:
+    """While the engine's batch has a free slot a request goes in at once; once it is full arrivals
+    wait, and a slot freeing lets them all in (one that came later never passes one held)."""
+
+    async def scenario() -> None:
+        batching = PrefillBatching(100, batch=2)
+        first, second = await batching.enter(), await batching.enter()
+        assert not first.held and not second.held and batching.running == 2
+        arrivals = [asyncio.create_task(batching.enter()) for _ in range(2)]
+        await _settled()
+        assert batching.held == 2
+        first.leave()
+        tickets = await asyncio.gather(*arrivals)
+        assert all(ticket.held for ticket in tickets) and batching.running == 3
+        late = asyncio.create_task(batching.enter())  # still full, the window just began
+        await _settled()
+        assert not late.done()
+        second.leave()
+        await _settled()
+        assert not late.done() and batching.held == 1  # two still run: the batch is full
+        tickets[0].leave()
+        assert (await late).held and batching.running == 2
 
     _run(scenario)
 

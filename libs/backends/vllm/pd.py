@@ -69,7 +69,7 @@ class VllmPrefillDecode(PrefillDecodeBackend):
         self.max_running = settings.max_running
         self.in_flight = InFlight()
         self._active = 0
-        self.batching = PrefillBatching(settings.prefill_batch_steps)
+        self.batching = PrefillBatching(settings.prefill_batch_steps, settings.max_batch)
 
     def embedding_specs(self) -> list[eng.EmbeddingSpec]:
         return self.planner.expected_specs()
