@@ -34,7 +34,6 @@ from libs.contract.reasons import Reason
 from libs.runtime import types as eng
 from libs.runtime.checkpoint import Checkpoint
 from libs.serving.convert import chunk_to_wire
-from libs.serving.settings import ChunkedPrefillSettings
 
 EC_CONNECTOR_MODULE = "libs.backends.vllm.ec_connector"
 EC_PRODUCER_MODULE = "libs.backends.vllm.ec_producer"
@@ -186,12 +185,12 @@ def engine_args(
         args["kv_cache_memory_bytes"] = settings.kv_cache_mib << 20  # else vLLM sizes it from all RAM
     if model_type(settings.model) == "whisper":
         args |= speech_engine_args(settings)
-    if isinstance(settings, ChunkedPrefillSettings):
+    if isinstance(settings, ChunkedEngineSettings):
         # The reference engine's prefill chunks, in vLLM's scheduler: while other requests are
         # running or waiting, one prompt gets at most this many tokens of a step, so a short text
-        # request is not held behind a whole multimodal prefill (a lone prompt still runs whole).
+        # request is not held behind a whole multimodal prefill (a lone prompt still runs whole);
+        # with the fair share, more when few requests share the step's budget.
         args["long_prefill_token_threshold"] = min(settings.prefill_chunk_tokens, args["max_model_len"])
-    if isinstance(settings, ChunkedEngineSettings):
         args["long_prefill_token_threshold_adaptive"] = settings.prefill_chunk_fair_share
     if ec_consumer:
         args["ec_transfer_config"] = dict(
