@@ -81,18 +81,19 @@ class EngineSettings(ModelServiceSettings):
 class ChunkedEngineSettings(ChunkedPrefillSettings, EngineSettings):
     """A service that prefills with a choice of engine (prefill, PD)."""
 
+
+@dataclasses.dataclass(frozen=True)
+class PrefillDecodeEngineSettings(ChunkedEngineSettings):
+    """A service that prefills and decodes with a choice of engine (PD)."""
+
     prefill_chunk_fair_share: bool = setting(
         True,
         "vLLM: --prefill-chunk-tokens is a floor: a prompt may take a fair share of the step's token budget "
         "(max_num_batched_tokens / requests running or waiting) when that is more, so a few prompts prefill "
         "whole while many still go in chunks (vLLM's long_prefill_token_threshold_adaptive); "
-        "--no-prefill-chunk-fair-share: every prompt in chunks of --prefill-chunk-tokens while others run or wait",
+        "--no-prefill-chunk-fair-share: every prompt in chunks of --prefill-chunk-tokens while others run or wait "
+        "(as on the prefill service: there whole prompts cost the E/P/D split tokens/s)",
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillDecodeEngineSettings(ChunkedEngineSettings):
-    """A service that prefills and decodes with a choice of engine (PD)."""
 
     prefill_batch_steps: int = setting(
         16,

@@ -13,9 +13,9 @@ Configurations (same checkpoint, same requests: `bench serve --seed`):
   the decode); `epd-e/p/d-nogate`: no such bound (`--decode-in-flight 0`, the default before 1.7);
   `epd-e+pd-unbatched`, `epd-e+pd-vllmenc-unbatched`: the PD letting every request into vLLM as it
   arrives (`--prefill-batch-steps 0`, the default before 2026-12-05), not in rounds;
-  `epd-e+pd-fixedchunks`, `epd-e/p/d-fixedchunks`: prompts prefilled in chunks of
-  `--prefill-chunk-tokens` whatever the load (`--no-prefill-chunk-fair-share`, the default before
-  2026-12-05), not whole when few requests share the step;
+  `epd-e+pd-fixedchunks`: the PD prefilling prompts in chunks of `--prefill-chunk-tokens` whatever
+  the load (`--no-prefill-chunk-fair-share`, the default before 2026-12-05), not whole when few
+  requests share the step;
   `epd-e+pd-traced`, `epd-e/p/d-traced`: every EPD service recording its spans (JSONL exporter, a file
   under the run directory; the others export none and so record none, as vLLM without
   `--otlp-traces-endpoint`);
@@ -60,7 +60,7 @@ CONFIGS = (
     "vllm-e+pd-uni", "vllm-e/p/d-uni", "vllm-unsplit-uni", "epd-e+pd-doorproc", "epd-e/p/d-doorproc",
     "epd-e+pd-uvloop", "epd-e/p/d-uvloop", "epd-e/p/d-dgate", "epd-e+pd-traced", "epd-e/p/d-traced",
     "epd-e/p/d-nogate", "epd-e+pd-vllmenc-traced", "epd-e+pd-unbatched", "epd-e+pd-vllmenc-unbatched",
-    "epd-e+pd-fixedchunks", "epd-e/p/d-fixedchunks",
+    "epd-e+pd-fixedchunks",
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
@@ -70,7 +70,7 @@ DECODE_GATE = "-dgate"  # suffix: the router starts no prefill its decode has no
 NO_DECODE_GATE = "-nogate"  # suffix: prefills run ahead of decode (`--decode-in-flight 0`)
 TRACED = "-traced"  # suffix: every EPD service records its spans (JSONL exporter)
 UNBATCHED = "-unbatched"  # suffix: the PD lets every request into vLLM at once (`--prefill-batch-steps 0`)
-FIXED_CHUNKS = "-fixedchunks"  # suffix: prompts in chunks of 64 tokens at any load (`--no-prefill-chunk-fair-share`)
+FIXED_CHUNKS = "-fixedchunks"  # suffix: the PD prefills 64-token chunks at any load (`--no-prefill-chunk-fair-share`)
 DECODE_SLOTS = 8  # the decode's batch as EPD runs vLLM (`--max-batch`, vLLM's max_num_seqs)
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
 PEERS = {
@@ -81,7 +81,7 @@ PEERS = {
     "epd-e+pd-traced": "vllm-e+pd", "epd-e/p/d-traced": "vllm-e/p/d", "epd-e/p/d-nogate": "vllm-e/p/d",
     "epd-e+pd-vllmenc-traced": "vllm-e+pd",
     "epd-e+pd-unbatched": "vllm-e+pd", "epd-e+pd-vllmenc-unbatched": "vllm-e+pd",
-    "epd-e+pd-fixedchunks": "vllm-e+pd", "epd-e/p/d-fixedchunks": "vllm-e/p/d",
+    "epd-e+pd-fixedchunks": "vllm-e+pd",
 }  # fmt: skip
 UNSPLIT = "vllm-unsplit"
 
@@ -461,8 +461,8 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
         service_args = {"router": ["--decode-in-flight", in_flight]} if in_flight is not None else {}
         if unbatched:
             service_args["pd"] = ["--prefill-batch-steps", "0"]
-        for stage in ("pd", "prefill") if fixed_chunks else ():
-            service_args[stage] = [*service_args.get(stage, []), "--no-prefill-chunk-fair-share"]
+        if fixed_chunks:
+            service_args["pd"] = [*service_args.get("pd", []), "--no-prefill-chunk-fair-share"]
         if traced:
             env |= {"EPD_TRACE_EXPORTER": "jsonl", "EPD_TRACE_FILE": str(run_dir / "spans.jsonl")}
         vllm_encoder = variant.endswith(VLLM_ENCODER)

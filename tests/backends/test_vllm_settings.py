@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from libs.backends.settings import ChunkedEngineSettings, EngineSettings
+from libs.backends.settings import ChunkedEngineSettings, EngineSettings, PrefillDecodeEngineSettings
 from libs.backends.vllm import engine_polling, runtime
 from libs.backends.vllm.streams import reads_config
 from libs.config import SettingsError, load_settings
@@ -43,7 +43,7 @@ def test_the_defaults_are_todays_cpu_values() -> None:
     assert (args["dtype"], args["enforce_eager"], args["tensor_parallel_size"]) == ("float32", True, 1)
     assert args["kv_cache_memory_bytes"] == 64 << 20 and "gpu_memory_utilization" not in args
     assert args["long_prefill_token_threshold"] == 64
-    assert args["long_prefill_token_threshold_adaptive"] is True  # 64 is a floor: a fair share when more
+    assert args["long_prefill_token_threshold_adaptive"] is False  # the prefill service: fixed chunks
     assert "max_num_batched_tokens" not in args  # vLLM's own budget
     assert args["kv_transfer_config"]["kv_buffer_device"] == "cpu"
     assert args["ec_transfer_config"]["ec_connector_extra_config"] == {"failure_dir": str(FAILURES)}
@@ -89,9 +89,12 @@ def test_the_engine_host_ip_overrides_the_listen_address_and_the_side_channel_po
     assert 0 < port <= 65535
 
 
-def test_fixed_prefill_chunks_reach_vllm_when_the_fair_share_is_off() -> None:
-    args = _args(_settings(["--prefill-chunk-tokens", "32", "--no-prefill-chunk-fair-share"]))
-    assert (args["long_prefill_token_threshold"], args["long_prefill_token_threshold_adaptive"]) == (32, False)
+def test_the_pd_takes_its_chunk_as_a_floor_unless_told_not_to() -> None:
+    pd = _args(_settings(["--prefill-chunk-tokens", "32"], PrefillDecodeEngineSettings), kv=None)
+    assert (pd["long_prefill_token_threshold"], pd["long_prefill_token_threshold_adaptive"]) == (32, True)
+    argv = ["--prefill-chunk-tokens", "32", "--no-prefill-chunk-fair-share"]
+    fixed = _args(_settings(argv, PrefillDecodeEngineSettings), kv=None)
+    assert (fixed["long_prefill_token_threshold"], fixed["long_prefill_token_threshold_adaptive"]) == (32, False)
 
 
 def test_decode_and_pd_get_no_chunking_and_decode_no_encoder_cache() -> None:

@@ -18,6 +18,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -69,6 +70,9 @@ def main() -> None:
         "(var/run/bench-vs-vllm) instead of measuring: the table and files again",
     )
     ns = parser.parse_args()
+    # Stopped (SIGTERM; SIGINT is ignored where a shell runs it in the background), the run unwinds
+    # the `with` blocks that stop every server it started: Python's default would leave them running.
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     if ns.quick:
         ns.concurrency, ns.repeats, ns.prompts, ns.prompts_at_64 = "1,4", 1, 8, 8
     configs = [c for c in ns.configs.split(",") if c]

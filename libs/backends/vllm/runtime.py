@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from libs.backends.identity import model_type, refusal
-from libs.backends.settings import ChunkedEngineSettings, EncoderBackendSettings, EngineSettings
+from libs.backends.settings import (
+    ChunkedEngineSettings,
+    EncoderBackendSettings,
+    EngineSettings,
+    PrefillDecodeEngineSettings,
+)
 from libs.backends.vllm import engine_polling
 from libs.backends.vllm.plugin import WHISPER_ARCHITECTURE, WHISPER_LOGITS
 from libs.backends.vllm.shared_pool import SlotDescriptor
@@ -189,9 +194,11 @@ def engine_args(
         # The reference engine's prefill chunks, in vLLM's scheduler: while other requests are
         # running or waiting, one prompt gets at most this many tokens of a step, so a short text
         # request is not held behind a whole multimodal prefill (a lone prompt still runs whole);
-        # with the fair share, more when few requests share the step's budget.
+        # on the PD, with the fair share, more when few requests share the step's budget.
         args["long_prefill_token_threshold"] = min(settings.prefill_chunk_tokens, args["max_model_len"])
-        args["long_prefill_token_threshold_adaptive"] = settings.prefill_chunk_fair_share
+        args["long_prefill_token_threshold_adaptive"] = (
+            isinstance(settings, PrefillDecodeEngineSettings) and settings.prefill_chunk_fair_share
+        )
     if ec_consumer:
         args["ec_transfer_config"] = dict(
             ec_connector="EpdECConnector",
