@@ -61,6 +61,12 @@ class EngineSettings(ModelServiceSettings):
         "sleep (waking every 1 ms); -1: vLLM's own (1 s); 0: sleep at once (a small CPU host, where the polling "
         "takes the cores the forward needs)",
     )
+    engine_cpus: tuple[int, ...] = setting(
+        (),
+        "vLLM: CPUs the engine's processes (EngineCore, and its Worker) run on, comma-separated (e.g. 1); the "
+        "service itself keeps its own. Empty: the service's. On a small host an engine on a core of its own steps "
+        "without waiting behind the other services (docs/vllm-operations.md, Placement)",
+    )
     engine_start_timeout_s: float = setting(
         300.0, "vLLM: seconds an engine (re)start may take; past it its processes are killed (a failure)"
     )

@@ -60,7 +60,7 @@ CONFIGS = (
     "vllm-e+pd-uni", "vllm-e/p/d-uni", "vllm-unsplit-uni", "epd-e+pd-doorproc", "epd-e/p/d-doorproc",
     "epd-e+pd-uvloop", "epd-e/p/d-uvloop", "epd-e/p/d-dgate", "epd-e+pd-traced", "epd-e/p/d-traced",
     "epd-e/p/d-nogate", "epd-e+pd-vllmenc-traced", "epd-e+pd-unbatched", "epd-e+pd-vllmenc-unbatched",
-    "epd-e+pd-fixedchunks",
+    "epd-e+pd-fixedchunks", "epd-e+pd-placed", "epd-e+pd-vllmenc-placed",
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
@@ -71,6 +71,7 @@ NO_DECODE_GATE = "-nogate"  # suffix: prefills run ahead of decode (`--decode-in
 TRACED = "-traced"  # suffix: every EPD service records its spans (JSONL exporter)
 UNBATCHED = "-unbatched"  # suffix: the PD lets every request into vLLM at once (`--prefill-batch-steps 0`)
 FIXED_CHUNKS = "-fixedchunks"  # suffix: the PD prefills 64-token chunks at any load (`--no-prefill-chunk-fair-share`)
+PLACED = "-placed"  # suffix: the PD's engine alone on a CPU, the encoders at nice 19 (libs/launch/placement.py)
 DECODE_SLOTS = 8  # the decode's batch as EPD runs vLLM (`--max-batch`, vLLM's max_num_seqs)
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
 PEERS = {
@@ -81,7 +82,7 @@ PEERS = {
     "epd-e+pd-traced": "vllm-e+pd", "epd-e/p/d-traced": "vllm-e/p/d", "epd-e/p/d-nogate": "vllm-e/p/d",
     "epd-e+pd-vllmenc-traced": "vllm-e+pd",
     "epd-e+pd-unbatched": "vllm-e+pd", "epd-e+pd-vllmenc-unbatched": "vllm-e+pd",
-    "epd-e+pd-fixedchunks": "vllm-e+pd",
+    "epd-e+pd-fixedchunks": "vllm-e+pd", "epd-e+pd-placed": "vllm-e+pd", "epd-e+pd-vllmenc-placed": "vllm-e+pd",
 }  # fmt: skip
 UNSPLIT = "vllm-unsplit"
 
@@ -452,8 +453,10 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
     name = model.name
     if config.startswith("epd-"):
         variant = config.removeprefix("epd-")
-        suffixes = (DOOR_PROCESS, UVLOOP, DECODE_GATE, NO_DECODE_GATE, TRACED, UNBATCHED, FIXED_CHUNKS)
-        door_process, uvloop, gate, no_gate, traced, unbatched, fixed_chunks = (variant.endswith(s) for s in suffixes)
+        suffixes = (DOOR_PROCESS, UVLOOP, DECODE_GATE, NO_DECODE_GATE, TRACED, UNBATCHED, FIXED_CHUNKS, PLACED)
+        door_process, uvloop, gate, no_gate, traced, unbatched, fixed_chunks, placed = (
+            variant.endswith(s) for s in suffixes
+        )
         for suffix in suffixes:
             variant = variant.removesuffix(suffix)
         env = {"EPD_EVENT_LOOP": "uvloop"} if uvloop else {}
@@ -470,7 +473,7 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
         spec = StackSpec(layout=layout, encoders=1, model=model, run_dir=run_dir, engine="vllm",
                          encoder_engine="vllm" if vllm_encoder else "reference",
                          ready_timeout_s=ready_timeout_s, openai_door=True, door_in_router=not door_process,
-                         env=env,
+                         env=env, placement=placed,
                          extra_args=service_args)  # fmt: skip
         with Stack(spec).running() as stack:
             dep = Deployment(config, stack.door_url.removesuffix("/v1"), name, stack=stack,

@@ -203,6 +203,11 @@ def _check_engine_device(settings: Any) -> None:
         )
     if not settings.device.strip():
         raise SettingsError(f"{flag_name('device')}: empty (cpu, cuda, xpu, ...)")
+    if outside := set(settings.engine_cpus) - os.sched_getaffinity(0):
+        allowed = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        raise SettingsError(
+            f"{flag_name('engine_cpus')}: CPU {min(outside)} is not one this service may run on ({allowed})"
+        )
     if settings.dtype not in _DTYPES:
         raise SettingsError(f"{flag_name('dtype')}: {settings.dtype!r} is not one of {', '.join(_DTYPES)}")
     if settings.tensor_parallel_size < 1:

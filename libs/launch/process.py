@@ -51,6 +51,10 @@ class ServiceProcess:
     root: Path = ROOT
     # A network namespace to run it in (`ip netns exec`, which execs: the PID is the service's).
     netns: str | None = None
+    # Placement on the host (libs/launch/placement.py): the CPUs the process and its children run
+    # on, and its nice value. None / 0: the launcher's own.
+    cpus: frozenset[int] | None = None
+    nice: int = 0
     process: subprocess.Popen[bytes] | None = None
     address: str = ""
     # Incarnations so far (a supervisor restarts a dead process with the same args).
@@ -79,10 +83,18 @@ class ServiceProcess:
                 cwd=self.root,
                 env=env,
                 start_new_session=True,  # a Ctrl-C in the launcher's terminal reaches only the launcher
+                preexec_fn=self._place if self.cpus is not None or self.nice else None,
             )
         self.starts += 1
         self.started_at = time.monotonic()
         self.ready_at = 0.0
+
+    def _place(self) -> None:
+        """In the child, before it runs the service: every thread it starts inherits this."""
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)
+        if self.nice:
+            os.nice(self.nice)
 
     @property
     def pid(self) -> int:

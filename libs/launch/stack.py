@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from libs.backends.identity import encoder_refusal, model_type, refusal
+from libs.launch.placement import Placement
 from libs.launch.process import LaunchError, ServiceProcess, free_port
 from libs.launch.store import StoreProcesses, start_store
 from libs.rpc.certs import LocalCa, write_material
@@ -79,6 +80,9 @@ class StackSpec:
     # ... served by the router's own process (`--openai-port`: no gRPC hop per token) instead of a
     # process of its own; disaggregated layouts only (the colocated service has no door of its own).
     door_in_router: bool = False
+    # E+PD on vLLM: the PD's engine alone on a CPU, the encoders at the lowest priority
+    # (libs/launch/placement.py); needs 2 CPUs or more.
+    placement: bool = False
 
 
 def replica_names(role: str, replicas: int) -> list[str]:
@@ -100,6 +104,8 @@ class Stack:
             raise ValueError("prefills, decodes and pds must be at least 1")
         if spec.engine not in ("reference", "vllm"):
             raise ValueError(f"unknown engine {spec.engine!r}; expected reference or vllm")
+        if spec.placement and (spec.layout, spec.engine) != ("e+pd", "vllm"):
+            raise ValueError("placement is planned for E+PD on vLLM (layout e+pd, engine vllm) only")
         if spec.encoder_engine not in ("reference", "vllm"):
             raise ValueError(f"unknown encoder engine {spec.encoder_engine!r}; expected reference or vllm")
         if spec.encoder_engine == "vllm" and spec.layout == "colocated":
@@ -112,6 +118,7 @@ class Stack:
             raise ValueError("the vLLM engine serves PD (E+PD) or prefill and decode (E/P/D), not the colocated layout")
         if (why := refusal(spec.engine, model_type(spec.model), spec.layout)) is not None:
             raise ValueError(why)
+        self.placement = Placement.for_host() if spec.placement else None
         self.spec = spec
         self.processes: dict[str, ServiceProcess] = {}
         self.address = ""
@@ -153,7 +160,10 @@ class Stack:
 
     def _process(self, name: str, module: str, args: list[str]) -> ServiceProcess:
         spec = self.spec
-        args = [*args, *self._port_args(), *self._security_args(name, module), *spec.extra_args.get(name, [])]
+        role = module.rsplit(".", 1)[-1]
+        place = self.placement
+        planned = [] if place is None else place.args(role)  # before the extra arguments: those win
+        args = [*args, *planned, *self._port_args(), *self._security_args(name, module), *spec.extra_args.get(name, [])]
         if name in spec.run_through:
             wrapper, *wrapper_args = spec.run_through[name]
             module, args = wrapper, [*wrapper_args, module, *args]
@@ -163,6 +173,8 @@ class Stack:
             args=args,
             log_path=spec.run_dir / f"{name}.log",
             env=spec.env,
+            cpus=None if place is None else place.cpus(role),
+            nice=0 if place is None else place.nice(role),
         )
         self.processes[name] = process
         return process

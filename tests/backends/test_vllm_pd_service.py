@@ -8,11 +8,13 @@ test runs last: it stops the service."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from libs.contract.epd.v1 import (
@@ -50,6 +52,7 @@ ARRIVALS = [("low-1", -10), ("low-2", -20), ("high", 50), ("default", 0)]
 FILLER = ("filler", "Count forever.")
 FILLER_TOKENS, FILLER_PRIORITY = 4096, 100
 DRAINED_TOKENS = 64  # each request of the drain test, compared with its undisturbed run
+ENGINE_CPU = max(os.sched_getaffinity(0))  # vLLM's engine alone there; the service keeps every CPU
 
 
 class PdService:
@@ -74,6 +77,7 @@ def pd(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pd
     args += ["--metrics-port", str(port), "--grace-s", "240"]
     args += ["--engine-hang-timeout-s", "600"]  # frozen_engine stops it on purpose: not a hang
     args += ["--max-model-len", "8192"]  # the filler's prompt and the longest max_tokens (4096)
+    args += ["--engine-cpus", str(ENGINE_CPU)]
     process = ServiceProcess("pd", "services.pd", args, log_path=tmp_path_factory.mktemp("vllm-pd") / "pd.log")
     process.start()
     try:
@@ -96,6 +100,15 @@ async def _generate(address: str, req: prefill_decode_pb2.PrefillDecodeRequest) 
     async with open_channel(address) as channel:
         stub = prefill_decode_pb2_grpc.PrefillDecodeServiceStub(channel)
         return await TokenStream(stub.PrefillDecode(req, timeout=600)).run()
+
+
+def test_the_engine_runs_on_its_cpus_and_the_service_keeps_its_own(pd: PdService) -> None:
+    service = psutil.Process(pd.process.pid)
+    engines = [p for p in service.children(recursive=True) if "EngineCore" in p.name()]
+    assert engines, [p.name() for p in service.children(recursive=True)]
+    for engine in engines:
+        assert {frozenset(os.sched_getaffinity(t.id)) for t in engine.threads()} == {frozenset({ENGINE_CPU})}
+    assert {frozenset(os.sched_getaffinity(t.id)) for t in service.threads()} == {frozenset(os.sched_getaffinity(0))}
 
 
 def test_metrics_are_the_reference_services_and_vllms_own(pd: PdService) -> None:

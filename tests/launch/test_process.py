@@ -54,3 +54,20 @@ def test_the_child_a_service_left_is_ended_with_it(tmp_path: Path, end: str) -> 
     finally:
         if not _gone(child, 0.1):
             os.kill(child, 9)
+
+
+def test_a_placed_service_and_what_it_starts_run_on_its_cpus_at_its_priority(tmp_path: Path) -> None:
+    cpu = min(os.sched_getaffinity(0))
+    service = ServiceProcess(
+        "worker", "tests.support.parent", [], log_path=tmp_path / "worker.log", cpus=frozenset({cpu}), nice=5
+    )
+    service.start()
+    try:
+        service.wait_ready(30)
+        match = re.search(r"^child (\d+)$", service.log_path.read_text(), re.MULTILINE)
+        assert match, service.log_tail()
+        for pid in (service.pid, int(match.group(1))):
+            assert os.sched_getaffinity(pid) == {cpu}
+            assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)
+    finally:
+        service.kill()

@@ -15,6 +15,7 @@ docs/vllm-operations.md), today's CPU values as defaults:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -260,8 +261,13 @@ def build_engine(
     ec_producer: bool = False,
 ) -> Any:
     """A started `AsyncLLM` (blocking: spawns EngineCore, and a Worker unless the worker runs
-    inside it, `executor_backend`; loads weights)."""
+    inside it, `executor_backend`; loads weights). Call it on a thread of its own (the supervisor's
+    start thread): with `engine_cpus` that thread takes them while it spawns the engine's processes,
+    which inherit them; this process's threads keep the service's CPUs."""
     process_environment()
+    service_cpus = os.sched_getaffinity(0)
+    if settings.engine_cpus:
+        os.sched_setaffinity(0, settings.engine_cpus)  # 0: this thread only
     # Read by the spawned processes (the worker reads its own copy of the environment too).
     os.environ.update(engine_environment(settings, kv))
     from vllm.config import ECTransferConfig, KVTransferConfig
@@ -274,7 +280,18 @@ def build_engine(
         args["ec_transfer_config"] = ECTransferConfig(**args["ec_transfer_config"])
     if "kv_transfer_config" in args:
         args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+    try:
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+    finally:
+        if settings.engine_cpus:  # threads started meanwhile (ZMQ's I/O) serve this process
+            place_threads(service_cpus)
+
+
+def place_threads(cpus: set[int]) -> None:
+    """Every thread of this process onto `cpus` (one that ends meanwhile is skipped)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def engine_dtype(llm: Any) -> str:

@@ -1,0 +1,42 @@
+"""The placement plan of an E+PD stack on a small host: the PD's engine alone on the last CPU, the
+router, door and PD service on the others, the encoders everywhere at the lowest priority."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from libs.launch.placement import ENCODER_NICE, Placement
+from libs.launch.stack import Stack, StackSpec
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_engine_gets_the_last_cpu_alone_and_the_services_the_rest() -> None:
+    plan = Placement.for_host({0, 1, 2, 3})
+    assert plan.engine_cpus == {3}
+    assert plan.args("pd") == ["--engine-cpus", "3"]
+    for role in ("pd", "router", "openai_door"):
+        assert plan.cpus(role) == {0, 1, 2}
+        assert plan.nice(role) == 0
+    assert plan.args("router") == ["--max-running", "16"]  # one batch of the PD's 8 decoding, one preparing
+    assert plan.args("openai_door") == []
+
+
+def test_encoders_run_everywhere_at_the_lowest_priority() -> None:
+    plan = Placement.for_host({0, 1})
+    assert plan.cpus("encoder") is None
+    assert plan.nice("encoder") == ENCODER_NICE == 19
+    assert plan.args("encoder") == []
+
+
+def test_one_cpu_cannot_be_split() -> None:
+    with pytest.raises(ValueError, match="at least 2 CPUs"):
+        Placement.for_host({5})
+
+
+@pytest.mark.parametrize(("layout", "engine"), [("e/p/d", "vllm"), ("e+pd", "reference"), ("colocated", "reference")])
+def test_a_stack_refuses_placement_where_it_was_not_planned(layout: str, engine: str) -> None:
+    with pytest.raises(ValueError, match="placement is planned for E\\+PD on vLLM"):
+        Stack(StackSpec(layout=layout, engine=engine, placement=True, model=Path("var/models/none")))
