@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from libs.launch.placement import Placement
 from libs.launch.process import ROOT, ServiceProcess, free_port
 from libs.launch.stack import Stack, StackSpec
 
@@ -60,7 +61,7 @@ CONFIGS = (
     "vllm-e+pd-uni", "vllm-e/p/d-uni", "vllm-unsplit-uni", "epd-e+pd-doorproc", "epd-e/p/d-doorproc",
     "epd-e+pd-uvloop", "epd-e/p/d-uvloop", "epd-e/p/d-dgate", "epd-e+pd-traced", "epd-e/p/d-traced",
     "epd-e/p/d-nogate", "epd-e+pd-vllmenc-traced", "epd-e+pd-unbatched", "epd-e+pd-vllmenc-unbatched",
-    "epd-e+pd-fixedchunks", "epd-e+pd-placed", "epd-e+pd-vllmenc-placed",
+    "epd-e+pd-fixedchunks", "epd-e+pd-placed", "epd-e+pd-vllmenc-placed", "vllm-e+pd-placed",
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
@@ -71,7 +72,9 @@ NO_DECODE_GATE = "-nogate"  # suffix: prefills run ahead of decode (`--decode-in
 TRACED = "-traced"  # suffix: every EPD service records its spans (JSONL exporter)
 UNBATCHED = "-unbatched"  # suffix: the PD lets every request into vLLM at once (`--prefill-batch-steps 0`)
 FIXED_CHUNKS = "-fixedchunks"  # suffix: the PD prefills 64-token chunks at any load (`--no-prefill-chunk-fair-share`)
-PLACED = "-placed"  # suffix: the PD's engine alone on a CPU, the encoders at nice 19 (libs/launch/placement.py)
+# suffix: the PD's engine alone on a CPU, the encoders at nice 19 (libs/launch/placement.py); for
+# vLLM's E+PD the same plan with vLLM's own knob for its PD's model worker (`VLLM_CPU_OMP_THREADS_BIND`)
+PLACED = "-placed"
 DECODE_SLOTS = 8  # the decode's batch as EPD runs vLLM (`--max-batch`, vLLM's max_num_seqs)
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
 PEERS = {
@@ -485,15 +488,21 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
     storage.mkdir(parents=True, exist_ok=True)
     procs: list[ServiceProcess] = []
     one_process = config.endswith(ONE_PROCESS)
-    deployment = config.removesuffix(ONE_PROCESS)  # what runs; `config` names it in the results
+    plan = Placement.for_host() if config == "vllm-e+pd" + PLACED else None
+    deployment = config.removesuffix(ONE_PROCESS).removesuffix(PLACED)  # what runs; `config` names it
 
     def server(role: str, threads: int, extra: Sequence[str], env: dict[str, str] | None = None) -> str:
         port = free_port()
         if one_process:
             extra = [*extra, "--distributed-executor-backend", "uni"]
             env = {**(env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        cpus, nice = None, 0
+        if plan is not None:  # the PD server's processes on the services' CPUs, its model worker alone
+            cpus, nice = plan.cpus(role), plan.nice(role)
+            if role == "pd":
+                env = {**(env or {}), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(plan.engine_cpus)))}
         proc = ServiceProcess(role, "libs.bench.vllm_cli", serve_args(model, name, port, engine, extra),
-                              run_dir / f"{role}.log",
+                              run_dir / f"{role}.log", cpus=cpus, nice=nice,
                               env={**VLLM_ENV, "OMP_NUM_THREADS": str(threads), **(env or {})})  # fmt: skip
         proc.start()
         procs.append(proc)
@@ -524,7 +533,8 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
         proxy_args = ["--port", str(port), "--encoder", encoder, "--decode", decode]
         if prefill:
             proxy_args += ["--prefill", prefill]
-        proxy = ServiceProcess("proxy", "libs.bench.vllm_proxy", proxy_args, run_dir / "proxy.log")
+        proxy = ServiceProcess("proxy", "libs.bench.vllm_proxy", proxy_args, run_dir / "proxy.log",
+                               cpus=None if plan is None else plan.cpus("router"))  # fmt: skip
         proxy.start()
         procs.append(proxy)
         url = f"http://127.0.0.1:{port}"

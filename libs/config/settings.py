@@ -203,10 +203,10 @@ def _check_engine_device(settings: Any) -> None:
         )
     if not settings.device.strip():
         raise SettingsError(f"{flag_name('device')}: empty (cpu, cuda, xpu, ...)")
-    if outside := set(settings.engine_cpus) - os.sched_getaffinity(0):
-        allowed = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    # Any CPU of the host: the service itself may run elsewhere (libs/launch/placement.py).
+    if missing := [cpu for cpu in settings.engine_cpus if not 0 <= cpu < (os.cpu_count() or 1)]:
         raise SettingsError(
-            f"{flag_name('engine_cpus')}: CPU {min(outside)} is not one this service may run on ({allowed})"
+            f"{flag_name('engine_cpus')}: CPU {missing[0]} is not on this host (0-{(os.cpu_count() or 1) - 1})"
         )
     if settings.dtype not in _DTYPES:
         raise SettingsError(f"{flag_name('dtype')}: {settings.dtype!r} is not one of {', '.join(_DTYPES)}")

@@ -127,7 +127,8 @@ def test_the_embedding_reads_follow_the_services_transport_settings_into_a_share
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size: 0 is not >= 1"),
         (["--max-num-batched-tokens", "-1"], "--max-num-batched-tokens: -1 is not >= 0"),
         (["--nixl-side-channel-port", "70000"], "--nixl-side-channel-port: 70000 is not a TCP port"),
-        (["--engine-cpus", "4096"], "--engine-cpus: CPU 4096 is not one this service may run on"),
+        (["--engine-cpus", "4096"], "--engine-cpus: CPU 4096 is not on this host"),
+        (["--engine-cpus", "-1"], "--engine-cpus: CPU -1 is not on this host"),
         (["--host", "0.0.0.0"], "--engine-host-ip: needed with --host '0.0.0.0'"),
     ],
 )
