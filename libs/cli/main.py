@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import signal
 import sys
 import threading
@@ -96,6 +97,12 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
         "per token less) instead of a process of its own; e+pd and e/p/d",
     )
     parser.add_argument(
+        "--placement",
+        action="store_true",
+        help="e+pd on vLLM on a small host: the PD's engine alone on the last CPU, the other services on the rest, "
+        "the encoders at nice 19, the router admitting two PD batches (libs/launch/placement.py)",
+    )
+    parser.add_argument(
         "--tls",
         action="store_true",
         default=None,
@@ -113,6 +120,8 @@ def _described_spec(ns: argparse.Namespace, env: dict[str, str]) -> StackSpec:
     if ns.door_in_router:
         raise SystemExit("epd: --door-in-router cannot be combined with --config: a description's openai_door role "
                          "runs as a process of its own (its port, its settings)")  # fmt: skip
+    if ns.placement:
+        raise SystemExit("epd: --placement cannot be combined with --config (a description places nothing)")
     if given:
         raise SystemExit(f"epd: {', '.join(given)} cannot be combined with --config: set it in {ns.config}")
     try:
@@ -157,6 +166,10 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
         raise SystemExit(f"epd: {why}")
     if encoder_engine == "vllm" and (why := encoder_refusal(model)) is not None:
         raise SystemExit(f"epd: {why}")
+    if ns.placement and (layout, engine) != ("e+pd", "vllm"):
+        raise SystemExit("epd: --placement is planned for --layout e+pd --engine vllm only")
+    if ns.placement and len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("epd: --placement needs at least 2 CPUs (the engine's and the services')")
     return StackSpec(
         layout=layout,
         encoders=2 if ns.encoders is None else ns.encoders,
@@ -171,6 +184,7 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
         ready_timeout_s=420.0 if "vllm" in (engine, encoder_engine) else 120.0,
         openai_door=ns.openai_door,
         door_in_router=_door_in_router(ns, layout),
+        placement=ns.placement,
     )
 
 

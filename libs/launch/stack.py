@@ -80,8 +80,8 @@ class StackSpec:
     # ... served by the router's own process (`--openai-port`: no gRPC hop per token) instead of a
     # process of its own; disaggregated layouts only (the colocated service has no door of its own).
     door_in_router: bool = False
-    # E+PD on vLLM: the PD's engine alone on a CPU, the encoders at the lowest priority
-    # (libs/launch/placement.py); needs 2 CPUs or more.
+    # E+PD on vLLM: the PD's engine alone on a CPU, the encoders at the lowest priority, the router
+    # admitting two PD batches (libs/launch/placement.py); needs 2 CPUs or more.
     placement: bool = False
 
 

@@ -420,3 +420,26 @@ def test_the_door_in_the_router_needs_a_router_and_no_description(tmp_path: Path
         spec("--config", str(tmp_path / "stack.yaml"), "--door-in-router")
     with pytest.raises(ValueError, match="door_in_router needs e\\+pd or e/p/d"):
         Stack(StackSpec(layout="colocated", model=tmp_path, run_dir=tmp_path, openai_door=True, door_in_router=True))
+
+
+@pytest.mark.unit
+def test_placement_is_for_e_pd_on_vllm_and_no_description(tmp_path: Path) -> None:
+    import os
+
+    from libs.cli.main import _spec, build_parser
+    from libs.launch.stack import StackSpec
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_omni"}))
+
+    def spec(*flags: str) -> StackSpec:
+        return _spec(build_parser().parse_args(["up", "--model", str(tmp_path), "--run-dir", str(tmp_path), *flags]))
+
+    assert not spec("--layout", "e+pd", "--engine", "vllm").placement
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert spec("--layout", "e+pd", "--engine", "vllm", "--placement").placement
+    with pytest.raises(SystemExit, match="--placement is planned for --layout e\\+pd --engine vllm only"):
+        spec("--layout", "e/p/d", "--engine", "vllm", "--placement")
+    with pytest.raises(SystemExit, match="--placement is planned for"):
+        spec("--layout", "e+pd", "--placement")  # the reference engine has no engine process to place
+    with pytest.raises(SystemExit, match="--placement cannot be combined with --config"):
+        spec("--config", str(tmp_path / "stack.yaml"), "--placement")
