@@ -12,7 +12,7 @@ two tokens of every sequence in the batch. The plan for E+PD on vLLM (`StackSpec
 - at most twice the PD's batch of requests inside the stack (the router's `--max-running`): one
   batch decoding, one being encoded and planned. The engine no longer being the bottleneck, more
   would only add their encoding, planning and input processing to the services' CPUs, where the
-  running requests' tokens are relayed (measured: at 64 clients with no bound, 10-14 ms per token);
+  running requests' tokens are relayed (measured: at 64 clients with no bound, 8-19 ms per token);
   the rest wait at the router, costing nothing.
 
 Measured on 2 cores (docs/results/bench-vs-vllm.md, "The engine on a core of its own").
