@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 import signal
 import sys
 import threading
@@ -24,6 +23,7 @@ from libs.cli.router_client import ADDRESS_FILE, DEFAULT_RUN_DIR, UsageError, ro
 from libs.client.generate import build_request, media_from_file
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
 from libs.launch.config import DescriptionError, load_description, stack_spec
+from libs.launch.placement import Placement
 from libs.launch.process import LaunchError
 from libs.launch.stack import CLIENT_TOKEN, LAYOUTS, Stack, StackSpec
 from libs.launch.supervisor import Supervisor
@@ -168,8 +168,11 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
         raise SystemExit(f"epd: {why}")
     if ns.placement and (layout, engine) != ("e+pd", "vllm"):
         raise SystemExit("epd: --placement is planned for --layout e+pd --engine vllm only")
-    if ns.placement and len(os.sched_getaffinity(0)) < 2:
-        raise SystemExit("epd: --placement needs at least 2 CPUs (the engine's and the services')")
+    if ns.placement:
+        try:
+            Placement.for_host()  # the plan's own check: enough CPUs
+        except ValueError as exc:
+            raise SystemExit(f"epd: --placement: {exc}") from None
     return StackSpec(
         layout=layout,
         encoders=2 if ns.encoders is None else ns.encoders,
