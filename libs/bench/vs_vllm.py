@@ -62,6 +62,7 @@ CONFIGS = (
     "epd-e+pd-uvloop", "epd-e/p/d-uvloop", "epd-e/p/d-dgate", "epd-e+pd-traced", "epd-e/p/d-traced",
     "epd-e/p/d-nogate", "epd-e+pd-vllmenc-traced", "epd-e+pd-unbatched", "epd-e+pd-vllmenc-unbatched",
     "epd-e+pd-fixedchunks", "epd-e+pd-placed", "epd-e+pd-vllmenc-placed", "vllm-e+pd-placed",
+    "epd-e/p/d-placed", "epd-e/p/d-vllmenc-placed",
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
@@ -72,7 +73,7 @@ NO_DECODE_GATE = "-nogate"  # suffix: prefills run ahead of decode (`--decode-in
 TRACED = "-traced"  # suffix: every EPD service records its spans (JSONL exporter)
 UNBATCHED = "-unbatched"  # suffix: the PD lets every request into vLLM at once (`--prefill-batch-steps 0`)
 FIXED_CHUNKS = "-fixedchunks"  # suffix: the PD prefills 64-token chunks at any load (`--no-prefill-chunk-fair-share`)
-# suffix: the PD's engine alone on a CPU, the encoders at nice 19 (libs/launch/placement.py); for
+# suffix: the decoding engine (PD's, decode's) alone on a CPU, the encoders at nice 19 (libs/launch/placement.py); for
 # vLLM's E+PD the same plan with vLLM's own knob for its PD's model worker (`VLLM_CPU_OMP_THREADS_BIND`)
 PLACED = "-placed"
 DECODE_SLOTS = 8  # the decode's batch as EPD runs vLLM (`--max-batch`, vLLM's max_num_seqs)
@@ -86,6 +87,7 @@ PEERS = {
     "epd-e+pd-vllmenc-traced": "vllm-e+pd",
     "epd-e+pd-unbatched": "vllm-e+pd", "epd-e+pd-vllmenc-unbatched": "vllm-e+pd",
     "epd-e+pd-fixedchunks": "vllm-e+pd", "epd-e+pd-placed": "vllm-e+pd", "epd-e+pd-vllmenc-placed": "vllm-e+pd",
+    "epd-e/p/d-placed": "vllm-e/p/d", "epd-e/p/d-vllmenc-placed": "vllm-e/p/d",
 }  # fmt: skip
 UNSPLIT = "vllm-unsplit"
 

@@ -99,8 +99,9 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--placement",
         action="store_true",
-        help="e+pd on vLLM on a small host: the PD's engine alone on the last CPU, the other services on the rest, "
-        "the encoders at nice 19, the router admitting two PD batches (libs/launch/placement.py)",
+        help="e+pd or e/p/d on vLLM on a small host: the decoding engine (the PD's, the decode's) alone on the last "
+        "CPU, the other services on the rest, the encoders at nice 19, the router admitting two batches "
+        "(libs/launch/placement.py)",
     )
     parser.add_argument(
         "--tls",
@@ -166,11 +167,11 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
         raise SystemExit(f"epd: {why}")
     if encoder_engine == "vllm" and (why := encoder_refusal(model)) is not None:
         raise SystemExit(f"epd: {why}")
-    if ns.placement and (layout, engine) != ("e+pd", "vllm"):
-        raise SystemExit("epd: --placement is planned for --layout e+pd --engine vllm only")
+    if ns.placement and engine != "vllm":
+        raise SystemExit("epd: --placement is planned for --engine vllm (e+pd or e/p/d) only")
     if ns.placement:
         try:
-            Placement.for_host()  # the plan's own check: enough CPUs
+            Placement.for_host(layout=layout)  # the plan's own checks: the layout, enough CPUs
         except ValueError as exc:
             raise SystemExit(f"epd: --placement: {exc}") from None
     return StackSpec(

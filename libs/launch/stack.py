@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from libs.backends.identity import encoder_refusal, model_type, refusal
-from libs.launch.placement import Placement
+from libs.launch.placement import DECODING_ROLE, Placement
 from libs.launch.process import LaunchError, ServiceProcess, free_port
 from libs.launch.store import StoreProcesses, start_store
 from libs.rpc.certs import LocalCa, write_material
@@ -80,8 +80,8 @@ class StackSpec:
     # ... served by the router's own process (`--openai-port`: no gRPC hop per token) instead of a
     # process of its own; disaggregated layouts only (the colocated service has no door of its own).
     door_in_router: bool = False
-    # E+PD on vLLM: the PD's engine alone on a CPU, the encoders at the lowest priority, the router
-    # admitting two PD batches (libs/launch/placement.py); needs 2 CPUs or more.
+    # E+PD or E/P/D on vLLM: the decoding engine (the PD's, the decode's) alone on a CPU, the encoders
+    # at the lowest priority, the router admitting two batches (libs/launch/placement.py); 2 CPUs or more.
     placement: bool = False
 
 
@@ -104,8 +104,8 @@ class Stack:
             raise ValueError("prefills, decodes and pds must be at least 1")
         if spec.engine not in ("reference", "vllm"):
             raise ValueError(f"unknown engine {spec.engine!r}; expected reference or vllm")
-        if spec.placement and (spec.layout, spec.engine) != ("e+pd", "vllm"):
-            raise ValueError("placement is planned for E+PD on vLLM (layout e+pd, engine vllm) only")
+        if spec.placement and (spec.layout not in DECODING_ROLE or spec.engine != "vllm"):
+            raise ValueError("placement is planned for E+PD and E/P/D on vLLM (engine vllm) only")
         if spec.encoder_engine not in ("reference", "vllm"):
             raise ValueError(f"unknown encoder engine {spec.encoder_engine!r}; expected reference or vllm")
         if spec.encoder_engine == "vllm" and spec.layout == "colocated":
@@ -118,7 +118,7 @@ class Stack:
             raise ValueError("the vLLM engine serves PD (E+PD) or prefill and decode (E/P/D), not the colocated layout")
         if (why := refusal(spec.engine, model_type(spec.model), spec.layout)) is not None:
             raise ValueError(why)
-        self.placement = Placement.for_host() if spec.placement else None
+        self.placement = Placement.for_host(layout=spec.layout) if spec.placement else None
         self.spec = spec
         self.processes: dict[str, ServiceProcess] = {}
         self.address = ""

@@ -423,7 +423,7 @@ def test_the_door_in_the_router_needs_a_router_and_no_description(tmp_path: Path
 
 
 @pytest.mark.unit
-def test_placement_is_for_e_pd_on_vllm_and_no_description(tmp_path: Path) -> None:
+def test_placement_is_for_vllm_disaggregated_layouts_and_no_description(tmp_path: Path) -> None:
     import os
 
     from libs.cli.main import _spec, build_parser
@@ -437,9 +437,8 @@ def test_placement_is_for_e_pd_on_vllm_and_no_description(tmp_path: Path) -> Non
     assert not spec("--layout", "e+pd", "--engine", "vllm").placement
     if len(os.sched_getaffinity(0)) >= 2:
         assert spec("--layout", "e+pd", "--engine", "vllm", "--placement").placement
-    with pytest.raises(SystemExit, match="--placement is planned for --layout e\\+pd --engine vllm only"):
-        spec("--layout", "e/p/d", "--engine", "vllm", "--placement")
-    with pytest.raises(SystemExit, match="--placement is planned for"):
+        assert spec("--layout", "e/p/d", "--engine", "vllm", "--placement").placement
+    with pytest.raises(SystemExit, match="--placement is planned for --engine vllm \\(e\\+pd or e/p/d\\) only"):
         spec("--layout", "e+pd", "--placement")  # the reference engine has no engine process to place
     with pytest.raises(SystemExit, match="--placement cannot be combined with --config"):
         spec("--config", str(tmp_path / "stack.yaml"), "--placement")

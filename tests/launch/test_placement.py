@@ -1,5 +1,6 @@
-"""The placement plan of an E+PD stack on a small host: the PD's engine alone on the last CPU, the
-router, door and PD service on the others, the encoders everywhere at the lowest priority."""
+"""The placement plan of a disaggregated stack on a small host: the decoding engine (the PD's, the
+decode's) alone on the last CPU, the other services on the others, the encoders everywhere at the
+lowest priority."""
 
 from __future__ import annotations
 
@@ -24,6 +25,20 @@ def test_the_engine_gets_the_last_cpu_alone_and_the_services_the_rest() -> None:
     assert plan.args("openai_door") == []
 
 
+def test_in_e_p_d_the_decode_engine_is_alone_and_the_prefill_beside_the_services() -> None:
+    plan = Placement.for_host({0, 1}, layout="e/p/d")
+    assert plan.args("decode") == ["--engine-cpus", "1"]
+    assert plan.args("prefill") == []  # its engine stays with its service
+    for role in ("prefill", "decode", "router"):
+        assert plan.cpus(role) == {0}
+    assert plan.args("router") == ["--max-running", "16"]
+
+
+def test_the_colocated_layout_has_no_plan() -> None:
+    with pytest.raises(ValueError, match="e\\+pd and e/p/d layouts, not 'colocated'"):
+        Placement.for_host({0, 1}, layout="colocated")
+
+
 def test_encoders_run_everywhere_at_the_lowest_priority() -> None:
     plan = Placement.for_host({0, 1})
     assert plan.cpus("encoder") is None
@@ -36,7 +51,7 @@ def test_one_cpu_cannot_be_split() -> None:
         Placement.for_host({5})
 
 
-@pytest.mark.parametrize(("layout", "engine"), [("e/p/d", "vllm"), ("e+pd", "reference"), ("colocated", "reference")])
-def test_a_stack_refuses_placement_where_it_was_not_planned(layout: str, engine: str) -> None:
-    with pytest.raises(ValueError, match="placement is planned for E\\+PD on vLLM"):
-        Stack(StackSpec(layout=layout, engine=engine, placement=True, model=Path("var/models/none")))
+@pytest.mark.parametrize("layout", ["e/p/d", "e+pd", "colocated"])
+def test_a_stack_refuses_placement_where_it_was_not_planned(layout: str) -> None:
+    with pytest.raises(ValueError, match="placement is planned for E\\+PD and E/P/D on vLLM"):
+        Stack(StackSpec(layout=layout, engine="reference", placement=True, model=Path("var/models/none")))
