@@ -5,6 +5,7 @@ stack, so module scope starts each once and stops it before the next layout's en
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def vllm_epd_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def vllm_split_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """E/P/D: a reference encoder, prefill and decode each on vLLM (KV moved by vLLM's NixlConnector
     through the project's subclass), behind the router; each its own process. Prefill's step budget
-    is 32 tokens (`CHUNKED_PREFILL_TOKENS`): every multimodal prompt is prefilled in chunks."""
+    is 32 tokens (`CHUNKED_PREFILL_TOKENS`): every multimodal prompt is prefilled in chunks. Placed
+    on the host where it has 2 CPUs (libs/launch/placement.py): the decode's engine alone on one."""
     spec = StackSpec(
         layout="e/p/d",
         encoders=1,
@@ -71,6 +73,7 @@ def vllm_split_stack(omni_tiny: Path, tmp_path_factory: pytest.TempPathFactory) 
         engine="vllm",
         ready_timeout_s=600.0,
         extra_args={"prefill": ["--max-num-batched-tokens", str(CHUNKED_PREFILL_TOKENS)]},
+        placement=len(os.sched_getaffinity(0)) >= 2,
     )
     with Stack(spec).running() as stack:
         yield stack

@@ -11,6 +11,7 @@ stack: the 1.3 fields pass through it. Runs last: the engine-kill test (restarts
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -199,6 +200,31 @@ def test_sampled_prompts_prefilled_in_chunks_hand_decode_the_token_it_draws(
     assert other != first and first != expected[mix]
     assert sampled_tokens(address, MIXES[mix], None) != sampled_tokens(address, MIXES[mix], None)
     _wait_empty(vllm_split_stack)
+
+
+def _cpus_of_threads(process: psutil.Process) -> set[frozenset[int]]:
+    return {frozenset(os.sched_getaffinity(thread.id)) for thread in process.threads()}
+
+
+def test_placed_the_decode_engine_runs_alone_and_every_other_process_on_the_services_cpus(
+    vllm_split_stack: Stack,
+) -> None:
+    plan = vllm_split_stack.placement
+    if plan is None:
+        pytest.skip("one CPU: the stack is not placed")
+    processes = {name: psutil.Process(p.pid) for name, p in vllm_split_stack.processes.items()}
+    decode_engines = [p for p in processes["decode"].children(recursive=True) if "EngineCore" in p.name()]
+    assert decode_engines, [p.name() for p in processes["decode"].children(recursive=True)]
+    for engine in decode_engines:
+        assert _cpus_of_threads(engine) == {plan.engine_cpus}
+    # The prefill's engine stays with its service; the decode service's own threads keep theirs.
+    for name in ("prefill", "decode", "router"):
+        children = [] if name == "decode" else processes[name].children(recursive=True)
+        for process in [processes[name], *children]:
+            assert _cpus_of_threads(process) == {plan.service_cpus}, (name, process.name())
+            assert process.nice() == 0
+    assert _cpus_of_threads(processes["encoder-0"]) == {frozenset(os.sched_getaffinity(0))}
+    assert processes["encoder-0"].nice() == plan.encoder_nice
 
 
 def test_prefill_and_decode_advertise_vllm_and_paged_kv(vllm_split_stack: Stack) -> None:
