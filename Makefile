@@ -92,9 +92,9 @@ bench-cache: deps ## reassignment experiment: encodes and p90 TTFT with/without 
 bench-vllm: deps ## TTFT and throughput: EPD on vLLM vs vLLM's own E+PD vs vLLM unsplit (not part of make test)
 	$(PY) tests/benchmarks/bench_vllm.py --family qwen2_5_vl --requests 12 --concurrency 4
 
-# vLLM's own client against EPD behind the OpenAI door and vLLM's own E+PD / P/D / unsplit servers,
-# each alone, interleaved repeats (docs/results/bench-vs-vllm.md; 1-2 h on 2 cores: the E/P/D pair is slow,
-# each bench serve point is bounded by --point-timeout-s).
+# vLLM's own client against EPD behind the OpenAI door (placed, both encoders) and vLLM's own E+PD / P/D /
+# unsplit servers, each alone, interleaved repeats (libs/bench/vs_vllm.py MATRIX; docs/results/bench-vs-vllm.md).
+# Hours on 2 cores: vLLM's P/D split serves a few tokens/s there, each bench serve point bounded by --point-timeout-s.
 bench-vs-vllm: deps ## EPD (door) vs vLLM's own deployments on `vllm bench serve`, c=1..64, 3 repeats (not in make test)
 	$(PY) tests/benchmarks/bench_vs_vllm.py --repeats 3 --out docs/results/bench-vs-vllm
 

@@ -16,6 +16,8 @@ Configurations (same checkpoint, same requests: `bench serve --seed`):
   `epd-e+pd-fixedchunks`: the PD prefilling prompts in chunks of `--prefill-chunk-tokens` whatever
   the load (`--no-prefill-chunk-fair-share`, the default before 2026-12-05), not whole when few
   requests share the step;
+  `epd-e+pd-placed`, `epd-e+pd-vllmenc-placed`, `epd-e/p/d-placed`, `epd-e/p/d-vllmenc-placed`: the
+  stack placed on the host (libs/launch/placement.py: the decoding engine alone on a CPU);
   `epd-e+pd-traced`, `epd-e/p/d-traced`: every EPD service recording its spans (JSONL exporter, a file
   under the run directory; the others export none and so record none, as vLLM without
   `--otlp-traces-endpoint`);
@@ -25,6 +27,8 @@ Configurations (same checkpoint, same requests: `bench serve --seed`):
 - `vllm-e/p/d`: the same encoder, a prefill `vllm serve` (EC consumer, NixlConnector kv_producer)
   and a decode `vllm serve` (NixlConnector kv_consumer) behind the same proxy;
 - `vllm-unsplit`: one `vllm serve`;
+- `vllm-e+pd-placed`: vLLM's E+PD given EPD's placement (its PD server's model worker alone on a
+  CPU, `VLLM_CPU_OMP_THREADS_BIND`; the encoder at nice 19, the proxy beside the PD server);
 - `vllm-e+pd-uni` (`vllm-e/p/d-uni`, `vllm-unsplit-uni`): vLLM's deployment given the
   engine-process setting EPD runs with on CPU (each `vllm serve` with
   `--distributed-executor-backend uni` and `VLLM_ENABLE_V1_MULTIPROCESSING=0`: the model inside
@@ -63,6 +67,13 @@ CONFIGS = (
     "epd-e/p/d-nogate", "epd-e+pd-vllmenc-traced", "epd-e+pd-unbatched", "epd-e+pd-vllmenc-unbatched",
     "epd-e+pd-fixedchunks", "epd-e+pd-placed", "epd-e+pd-vllmenc-placed", "vllm-e+pd-placed",
     "epd-e/p/d-placed", "epd-e/p/d-vllmenc-placed",
+)  # fmt: skip
+# The issue's matrix, `make bench-vs-vllm`'s: EPD as `epd up --placement` runs it, both encoders,
+# against vLLM's documented deployments and one unsplit `vllm serve`. The other configurations
+# are the variants measured on the way (docs/results/bench-vs-vllm.md).
+MATRIX = (
+    "epd-e+pd-placed", "epd-e+pd-vllmenc-placed", "vllm-e+pd",
+    "epd-e/p/d-placed", "epd-e/p/d-vllmenc-placed", "vllm-e/p/d", "vllm-unsplit",
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too

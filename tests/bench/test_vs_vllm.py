@@ -62,6 +62,8 @@ def test_every_epd_configuration_has_vllms_deployment_of_its_layout_as_peer() ->
     for config in epd:  # "epd-<layout>[-variant]" against "vllm-<layout>"
         assert vs_vllm.PEERS[config] == "vllm-" + config.split("-")[1], config
     assert all(peer in vs_vllm.CONFIGS for peer in vs_vllm.PEERS.values())
+    assert set(vs_vllm.MATRIX) <= set(vs_vllm.CONFIGS)
+    assert {vs_vllm.PEERS[c] for c in vs_vllm.MATRIX if c.startswith("epd-")} == {"vllm-e+pd", "vllm-e/p/d"}
 
 
 @pytest.mark.unit

@@ -39,7 +39,11 @@ FAMILY = "qwen2_5_vl"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: c=1,4, 1 repeat, 8 prompts")
-    parser.add_argument("--configs", default=",".join(vs_vllm.CONFIGS))
+    parser.add_argument(
+        "--configs",
+        default=",".join(vs_vllm.MATRIX),
+        help=f"comma-separated, of: {', '.join(vs_vllm.CONFIGS)} (default: the issue's matrix)",
+    )
     parser.add_argument("--datasets", default="1img,3img")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--prompts", type=int, default=48)
