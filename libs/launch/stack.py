@@ -106,6 +106,8 @@ class Stack:
             raise ValueError(f"unknown engine {spec.engine!r}; expected reference or vllm")
         if spec.placement and (spec.layout not in DECODING_ROLE or spec.engine != "vllm"):
             raise ValueError("placement is planned for E+PD and E/P/D on vLLM (engine vllm) only")
+        if spec.placement and (spec.pds if spec.layout == "e+pd" else spec.decodes) > 1:
+            raise ValueError("placement plans one decoding engine (one CPU of its own); several would share it")
         if spec.encoder_engine not in ("reference", "vllm"):
             raise ValueError(f"unknown encoder engine {spec.encoder_engine!r}; expected reference or vllm")
         if spec.encoder_engine == "vllm" and spec.layout == "colocated":

@@ -55,3 +55,8 @@ def test_one_cpu_cannot_be_split() -> None:
 def test_a_stack_refuses_placement_where_it_was_not_planned(layout: str) -> None:
     with pytest.raises(ValueError, match="placement is planned for E\\+PD and E/P/D on vLLM"):
         Stack(StackSpec(layout=layout, engine="reference", placement=True, model=Path("var/models/none")))
+
+
+def test_a_stack_refuses_placement_of_several_decoding_engines() -> None:
+    with pytest.raises(ValueError, match="one decoding engine"):
+        Stack(StackSpec(layout="e/p/d", engine="vllm", decodes=2, placement=True, model=Path("var/models/none")))
