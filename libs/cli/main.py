@@ -167,9 +167,9 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
         raise SystemExit(f"epd: {why}")
     if encoder_engine == "vllm" and (why := encoder_refusal(model)) is not None:
         raise SystemExit(f"epd: {why}")
-    if ns.placement and engine != "vllm":
-        raise SystemExit("epd: --placement is planned for --engine vllm (e+pd or e/p/d) only")
     if ns.placement:
+        if engine != "vllm":
+            raise SystemExit("epd: --placement is planned for --engine vllm (e+pd or e/p/d) only")
         try:
             Placement.for_host(layout=layout)  # the plan's own checks: the layout, enough CPUs
         except ValueError as exc:
