@@ -120,9 +120,11 @@ def call(address: str, req: object, timeout_s: float = 120.0) -> GenerationResul
 
 def sampled_tokens(address: str, mix: Mix, seed: int | None) -> list[int]:
     """`mix` sampled at temperature 1 (with `seed`, or none: a P/D split seeds it from the request
-    id), its tokens."""
+    id), its tokens. Past the end-of-sequence token: an unseeded draw may sample it early, and
+    every answer is then as long as asked."""
     req: Any = request(mix)
     req.sampling.temperature = 1.0
+    req.sampling.ignore_eos = True
     if seed is not None:
         req.sampling.seed = seed
     result = call(address, req)
