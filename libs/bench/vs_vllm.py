@@ -43,6 +43,7 @@ maths, table) and the process handling; tests/benchmarks/bench_vs_vllm.py drives
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -558,12 +559,16 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
             proc.stop(timeout_s=20)
 
 
-def bench_serve(argv: list[str], log: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """vLLM's client in its own process (bounded in time), its output kept in `log`."""
+def bench_serve(
+    argv: list[str], log: Path, timeout_s: float, cpus: frozenset[int] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """vLLM's client in its own process (bounded in time; on `cpus` if given, else where the OS puts
+    it), its output kept in `log`."""
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "PYTHONPATH": str(ROOT)}  # fmt: skip
+    pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
     out = subprocess.run([sys.executable, "-m", "libs.bench.vllm_cli", *argv], capture_output=True, text=True,
-                         cwd=ROOT, env=env, timeout=timeout_s)  # fmt: skip
+                         cwd=ROOT, env=env, timeout=timeout_s, preexec_fn=pin)  # fmt: skip
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(out.stdout + "\n--- stderr ---\n" + out.stderr)
     return out

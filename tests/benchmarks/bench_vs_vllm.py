@@ -56,6 +56,12 @@ def main() -> None:
         help="requests/s bench serve sends at most, Poisson arrivals (default: inf, each concurrency slot as soon "
         "as its answer ends): the same offered load for every configuration",
     )
+    parser.add_argument(
+        "--client-cpus",
+        default="",
+        help="comma-separated CPUs bench serve runs on, for every configuration alike (default: wherever the OS "
+        "puts it; on one host the client takes CPU from whichever server it lands beside)",
+    )
     parser.add_argument("--ready-timeout-s", type=float, default=420.0, help="per configuration start")
     parser.add_argument("--point-timeout-s", type=float, default=300.0, help="per bench serve run")
     parser.add_argument(
@@ -77,6 +83,7 @@ def main() -> None:
     # Stopped (SIGTERM; SIGINT is ignored where a shell runs it in the background), the run unwinds
     # the `with` blocks that stop every server it started: Python's default would leave them running.
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+    client_cpus = frozenset(int(cpu) for cpu in ns.client_cpus.split(",")) if ns.client_cpus else None
     if ns.quick:
         ns.concurrency, ns.repeats, ns.prompts, ns.prompts_at_64 = "1,4", 1, 8, 8
     configs = [c for c in ns.configs.split(",") if c]
@@ -133,13 +140,13 @@ def main() -> None:
                 vs_vllm.bench_serve(
                     vs_vllm.bench_serve_args(dataset=vs_vllm.DATASETS[warm.dataset], point=warm,
                                              filename="warmup.json", **common),  # type: ignore[arg-type]
-                    run_dir / "warmup.log", ns.point_timeout_s)  # fmt: skip
+                    run_dir / "warmup.log", ns.point_timeout_s, client_cpus)  # fmt: skip
                 for point in pts:
                     name = f"{point.dataset}-c{point.concurrency}.json"
                     argv = vs_vllm.bench_serve_args(dataset=vs_vllm.DATASETS[point.dataset], point=point,
                                                     filename=name, **common)  # type: ignore[arg-type]  # fmt: skip
                     try:
-                        out = vs_vllm.bench_serve(argv, run_dir / f"{name}.log", ns.point_timeout_s)
+                        out = vs_vllm.bench_serve(argv, run_dir / f"{name}.log", ns.point_timeout_s, client_cpus)
                         path = run_dir / "results" / name
                         if out.returncode != 0 or not path.exists():
                             raise RuntimeError(f"bench serve exit {out.returncode}: {out.stderr[-400:]}")
