@@ -53,6 +53,33 @@ def media_hash(media: MediaInput) -> str:
     return digest.hexdigest()
 
 
+def fewest_exact_rows(module: torch.nn.Module, most: int = 32) -> int:
+    """The fewest embedding rows an item may have for its outputs to keep their bits when its rows
+    go through `module`'s linear layers beside other items' rows, measured on this host with the
+    layers' own weights: a BLAS may multiply a product of a few rows with another kernel than a
+    tall one, in another summation order (MKL on an AVX-512 host: up to 5 rows of a 128-wide layer,
+    7 of an 8-wide one; the hosts before it kept every count). An item has at least as many rows at
+    every layer as in its embeddings (a merger's 2x2 groups come last). Checked up to `most` rows;
+    `most + 1` if that many still differ (then nothing merges)."""
+    layers: dict[tuple[int, int, bool, torch.dtype], torch.nn.Linear] = {}
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.Linear):
+            layers.setdefault(
+                (layer.in_features, layer.out_features, layer.bias is not None, layer.weight.dtype), layer
+            )
+    fewest = 1
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for (width, _, _, dtype), layer in layers.items():
+            rows = torch.randn(4 * most, width, generator=generator).to(dtype)
+            tall = layer(rows)
+            for count in range(most, fewest - 1, -1):
+                if not torch.equal(layer(rows[:count]), tall[:count]):
+                    fewest = count + 1
+                    break
+    return fewest
+
+
 class EncoderRunner:
     """Loads only the encoder towers of a checkpoint and encodes batches of media items."""
 
@@ -70,6 +97,7 @@ class EncoderRunner:
         self.weights_digest = self.checkpoint.weights_digest()
         self.preprocessing_digest = preprocessing_digest(self.checkpoint)
         self.specs = {m: self._measure_spec(m) for m in sorted(self.adapter.modalities, key=lambda m: m.value)}
+        self.fewest_exact_rows = fewest_exact_rows(self.module)
 
     @property
     def modalities(self) -> frozenset[Modality]:
@@ -104,7 +132,8 @@ class EncoderRunner:
         """Several callers' items through the towers together (one forward per modality), each
         call's result (or its own error) in call order: a call whose input is bad fails alone.
         Merge only calls whose items the towers treat apart (`merges_exactly`): their outputs are
-        then the same bits as encoded call by call. `timings` as `encode`, for the whole batch."""
+        then the same bits as encoded call by call (a call with an item of fewer rows than this
+        host's `fewest_exact_rows` is encoded alone). `timings` as `encode`, for the whole batch."""
         if timings is not None:
             timings["start"] = time.time_ns()
         outcomes: list[list[PreparedItem] | Exception] = []
@@ -115,11 +144,17 @@ class EncoderRunner:
                 outcomes.append(exc)
         if timings is not None:
             timings["preprocessed"] = time.time_ns()
-        ready = [o for o in outcomes if not isinstance(o, Exception)]
+        # A call with an item too small to keep its bits beside others (`fewest_exact_rows`) runs alone.
+        ready = [
+            o
+            for o in outcomes
+            if not isinstance(o, Exception) and all(item.layout.rows >= self.fewest_exact_rows for item in o)
+        ]
+        merged = {id(o) for o in ready}
         flat: list[EncodedItem] | None = None
         failure: Exception | None = None
         try:
-            flat = self.run_towers([item for prepared in ready for item in prepared])
+            flat = self.run_towers([item for prepared in ready for item in prepared]) if ready else None
         except Exception as exc:
             if len(ready) == 1:
                 failure = exc  # that call's; with several, which call's items failed is found call by call
@@ -128,10 +163,10 @@ class EncoderRunner:
         for outcome in outcomes:
             if isinstance(outcome, Exception):
                 results.append(outcome)
-            elif flat is not None:
+            elif flat is not None and id(outcome) in merged:
                 results.append(flat[start : start + len(outcome)])
                 start += len(outcome)
-            elif failure is not None:
+            elif failure is not None and id(outcome) in merged:
                 results.append(failure)
             else:
                 try:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from libs.runtime import types as eng
+from libs.runtime.encoder_runner import fewest_exact_rows
 from libs.runtime.errors import InvalidMediaError, UnsupportedModalityError
 from libs.runtime.media import synthetic
 from tests.support.engines import FAMILIES, Engines
@@ -42,6 +43,39 @@ def test_images_of_several_calls_in_one_forward_keep_their_bits(family: str, eng
             assert a.tensors.keys() == b.tensors.keys()
             for name in a.tensors:
                 assert torch.equal(a.tensors[name], b.tensors[name]), (family, name)
+
+
+def test_a_call_with_an_item_too_small_to_keep_its_bits_is_encoded_alone(
+    engines: Callable[[str], Engines], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Items of fewer rows than the host's `fewest_exact_rows` leave the shared forward: the calls
+    that have one run their own, the others still share one."""
+    runner = engines("qwen2_5_vl").encoder
+    forwards: list[int] = []
+    run_towers = runner.run_towers
+    monkeypatch.setattr(runner, "run_towers", lambda prepared: forwards.append(len(prepared)) or run_towers(prepared))
+    monkeypatch.setattr(runner, "fewest_exact_rows", 13)  # 224x224: 16 rows; 112x168, 280x196: 12; 56x56: 4
+    calls = [[image(224, 224, seed=1)], [image(112, 168, seed=2), image(280, 196, seed=3, index=1)],
+             [image(56, 56, seed=4)], [image(224, 224, seed=5)]]  # fmt: skip
+    results = runner.encode_calls(calls)
+    assert forwards == [2, 2, 1]  # the two 224x224 calls together, then the others each alone
+    for call, result in zip(calls, results, strict=True):
+        assert isinstance(result, list)
+        assert all(torch.equal(a.embeddings, b.embeddings) for a, b in zip(runner.encode(call), result, strict=True))
+
+
+def test_the_fewest_exact_rows_are_where_a_layer_stops_changing_bits() -> None:
+    class RowByRow(torch.nn.Linear):  # the same bits for a row in any batch, on any BLAS
+        def forward(self, rows: torch.Tensor) -> torch.Tensor:
+            return torch.cat([super(RowByRow, self).forward(row[None]) for row in rows])
+
+    class SmallProductsDiffer(RowByRow):  # a BLAS with another kernel below 3 rows
+        def forward(self, rows: torch.Tensor) -> torch.Tensor:
+            return super().forward(rows) + (1e-3 if rows.shape[0] < 3 else 0.0)
+
+    assert fewest_exact_rows(torch.nn.Sequential(RowByRow(8, 8), SmallProductsDiffer(8, 4))) == 3
+    assert fewest_exact_rows(torch.nn.Sequential(RowByRow(8, 8))) == 1
+    assert fewest_exact_rows(SmallProductsDiffer(8, 4), most=2) == 3  # every count checked differs: none merges
 
 
 def test_a_bad_call_fails_alone(engines: Callable[[str], Engines]) -> None:
