@@ -68,6 +68,8 @@ CONFIGS = (
     "epd-e/p/d-nogate", "epd-e+pd-vllmenc-traced", "epd-e+pd-unbatched", "epd-e+pd-vllmenc-unbatched",
     "epd-e+pd-fixedchunks", "epd-e+pd-placed", "epd-e+pd-vllmenc-placed", "vllm-e+pd-placed",
     "epd-e/p/d-placed", "epd-e/p/d-vllmenc-placed",
+    "epd-e+pd-placed-compiled", "epd-e+pd-vllmenc-placed-compiled", "vllm-e+pd-compiled",
+    "epd-e/p/d-placed-compiled", "epd-e/p/d-vllmenc-placed-compiled", "vllm-e/p/d-compiled", "vllm-unsplit-compiled",
 )  # fmt: skip
 # The issue's matrix, `make bench-vs-vllm`'s: EPD as `epd up --placement` runs it, both encoders,
 # against vLLM's documented deployments and one unsplit `vllm serve`. The other configurations
@@ -88,6 +90,9 @@ FIXED_CHUNKS = "-fixedchunks"  # suffix: the PD prefills 64-token chunks at any 
 # suffix: the decoding engine (PD's, decode's) alone on a CPU, the encoders at nice 19 (libs/launch/placement.py); for
 # vLLM's E+PD the same plan with vLLM's own knob for its PD's model worker (`VLLM_CPU_OMP_THREADS_BIND`)
 PLACED = "-placed"
+# suffix: the engines that run the language model (PD's; prefill's and decode's) compiled by vLLM
+# (`--no-enforce-eager`, vLLM's own default; its examples deploy `--enforce-eager`); encoders stay eager
+COMPILED = "-compiled"
 DECODE_SLOTS = 8  # the decode's batch as EPD runs vLLM (`--max-batch`, vLLM's max_num_seqs)
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
 PEERS = {
@@ -100,6 +105,8 @@ PEERS = {
     "epd-e+pd-unbatched": "vllm-e+pd", "epd-e+pd-vllmenc-unbatched": "vllm-e+pd",
     "epd-e+pd-fixedchunks": "vllm-e+pd", "epd-e+pd-placed": "vllm-e+pd", "epd-e+pd-vllmenc-placed": "vllm-e+pd",
     "epd-e/p/d-placed": "vllm-e/p/d", "epd-e/p/d-vllmenc-placed": "vllm-e/p/d",
+    "epd-e+pd-placed-compiled": "vllm-e+pd", "epd-e+pd-vllmenc-placed-compiled": "vllm-e+pd",
+    "epd-e/p/d-placed-compiled": "vllm-e/p/d", "epd-e/p/d-vllmenc-placed-compiled": "vllm-e/p/d",
 }  # fmt: skip
 UNSPLIT = "vllm-unsplit"
 
@@ -298,6 +305,7 @@ class Results:
                     for target, name in (
                         (peer, "vs_peer"),
                         (peer + ONE_PROCESS if peer else None, "vs_peer"),  # where it ran too
+                        (peer + COMPILED if peer else None, "vs_peer"),
                         (UNSPLIT if config != UNSPLIT else None, "vs_unsplit"),
                     ):
                         if target is None or target not in self.runs:
@@ -412,10 +420,12 @@ class Engine:
     max_model_len: int = 4096
 
 
-def serve_args(model: Path, name: str, port: int, engine: Engine, extra: Sequence[str] = ()) -> list[str]:
+def serve_args(
+    model: Path, name: str, port: int, engine: Engine, extra: Sequence[str] = (), eager: bool = True
+) -> list[str]:
     return [
         "serve", str(model), "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--seed", "0",
+        "--dtype", "float32", "--enforce-eager" if eager else "--no-enforce-eager", "--seed", "0",
         "--kv-cache-memory-bytes", str(engine.kv_cache_mib << 20),
         "--max-num-seqs", str(engine.max_num_seqs), "--max-model-len", str(engine.max_model_len),
         "--enable-request-id-headers", "--disable-uvicorn-access-log", *extra,
@@ -463,19 +473,30 @@ class Deployment:
         return pids
 
 
+# EPD's configuration suffixes, in the order `deployed` reads them
+EPD_SUFFIXES = (DOOR_PROCESS, UVLOOP, DECODE_GATE, NO_DECODE_GATE, TRACED, UNBATCHED, FIXED_CHUNKS, PLACED,
+                VLLM_ENCODER, COMPILED)  # fmt: skip
+
+
+def without_suffixes(name: str, suffixes: Sequence[str]) -> tuple[str, frozenset[str]]:
+    """`name` less the `suffixes` it ends with, in any order, and which those were."""
+    found: set[str] = set()
+    while (end := next((s for s in suffixes if name.endswith(s)), None)) is not None:
+        found.add(end)
+        name = name.removesuffix(end)
+    return name, frozenset(found)
+
+
 @contextlib.contextmanager
 def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_timeout_s: float) -> Iterator[Deployment]:
     """Start one configuration, yield it ready, stop every process it started (by PID)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     name = model.name
     if config.startswith("epd-"):
-        variant = config.removeprefix("epd-")
-        suffixes = (DOOR_PROCESS, UVLOOP, DECODE_GATE, NO_DECODE_GATE, TRACED, UNBATCHED, FIXED_CHUNKS, PLACED)
-        door_process, uvloop, gate, no_gate, traced, unbatched, fixed_chunks, placed = (
-            variant.endswith(s) for s in suffixes
+        layout, flags = without_suffixes(config.removeprefix("epd-"), EPD_SUFFIXES)
+        door_process, uvloop, gate, no_gate, traced, unbatched, fixed_chunks, placed, vllm_encoder, compiled = (
+            s in flags for s in EPD_SUFFIXES
         )
-        for suffix in suffixes:
-            variant = variant.removesuffix(suffix)
         env = {"EPD_EVENT_LOOP": "uvloop"} if uvloop else {}
         in_flight = str(DECODE_SLOTS) if gate else "0" if no_gate else None
         service_args = {"router": ["--decode-in-flight", in_flight]} if in_flight is not None else {}
@@ -483,10 +504,11 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
             service_args["pd"] = ["--prefill-batch-steps", "0"]
         if fixed_chunks:
             service_args["pd"] = [*service_args.get("pd", []), "--no-prefill-chunk-fair-share"]
+        if compiled:
+            for role in ("pd", "prefill", "decode"):
+                service_args[role] = [*service_args.get(role, []), "--no-enforce-eager"]
         if traced:
             env |= {"EPD_TRACE_EXPORTER": "jsonl", "EPD_TRACE_FILE": str(run_dir / "spans.jsonl")}
-        vllm_encoder = variant.endswith(VLLM_ENCODER)
-        layout = variant.removesuffix(VLLM_ENCODER)
         spec = StackSpec(layout=layout, encoders=1, model=model, run_dir=run_dir, engine="vllm",
                          encoder_engine="vllm" if vllm_encoder else "reference",
                          ready_timeout_s=ready_timeout_s, openai_door=True, door_in_router=not door_process,
@@ -501,9 +523,9 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
     storage = run_dir / "ec-storage"
     storage.mkdir(parents=True, exist_ok=True)
     procs: list[ServiceProcess] = []
-    one_process = config.endswith(ONE_PROCESS)
-    plan = Placement.for_host() if config == "vllm-e+pd" + PLACED else None
-    deployment = config.removesuffix(ONE_PROCESS).removesuffix(PLACED)  # what runs; `config` names it
+    deployment, flags = without_suffixes(config, (ONE_PROCESS, PLACED, COMPILED))  # what runs; `config` names it
+    one_process = ONE_PROCESS in flags
+    plan = Placement.for_host() if PLACED in flags and deployment == "vllm-e+pd" else None
 
     def server(role: str, threads: int, extra: Sequence[str], env: dict[str, str] | None = None) -> str:
         port = free_port()
@@ -515,7 +537,8 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
             cpus, nice = plan.cpus(role), plan.nice(role)
             if role == "pd":
                 env = {**(env or {}), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(plan.engine_cpus)))}
-        proc = ServiceProcess(role, "libs.bench.vllm_cli", serve_args(model, name, port, engine, extra),
+        eager = role == "encoder" or COMPILED not in flags
+        proc = ServiceProcess(role, "libs.bench.vllm_cli", serve_args(model, name, port, engine, extra, eager),
                               run_dir / f"{role}.log", cpus=cpus, nice=nice,
                               env={**VLLM_ENV, "OMP_NUM_THREADS": str(threads), **(env or {})})  # fmt: skip
         proc.start()
