@@ -34,7 +34,15 @@ Configurations (same checkpoint, same requests: `bench serve --seed`):
   `--distributed-executor-backend uni` and `VLLM_ENABLE_V1_MULTIPROCESSING=0`: the model inside
   EngineCore, no Worker process: docs/vllm.md, "One engine process"), to show what of EPD's lead
   that setting alone explains. Not vLLM's documented deployment: the ratios stay against
-  `vllm-e+pd` / `vllm-e/p/d`.
+  `vllm-e+pd` / `vllm-e/p/d`;
+- `...-compiled` (`vllm-e+pd-compiled`, `vllm-e/p/d-compiled`, `vllm-unsplit-compiled`, and the
+  EPD ones): the engines that run the language model compiled by vLLM (`--no-enforce-eager`,
+  vLLM's own default; its EPD examples deploy `--enforce-eager`, so `vllm-e+pd` runs eager). EPD's
+  services compile by default since 2026-12-06 (every EPD configuration ran eager before); for EPD
+  the suffix only names it. Encoders run eager on both sides. Ratios are given against the peer
+  as documented and against it compiled, and against one unsplit `vllm serve` both ways.
+
+Suffixes combine in any order (`epd-e+pd-vllmenc-placed-compiled`).
 
 This module holds the pure parts (run schedule, bench serve's arguments, result parsing, ratio
 maths, table) and the process handling; tests/benchmarks/bench_vs_vllm.py drives it.
@@ -75,8 +83,8 @@ CONFIGS = (
 # against vLLM's documented deployments and one unsplit `vllm serve`. The other configurations
 # are the variants measured on the way (docs/results/bench-vs-vllm.md).
 MATRIX = (
-    "epd-e+pd-placed", "epd-e+pd-vllmenc-placed", "vllm-e+pd",
-    "epd-e/p/d-placed", "epd-e/p/d-vllmenc-placed", "vllm-e/p/d", "vllm-unsplit",
+    "epd-e+pd-placed", "epd-e+pd-vllmenc-placed", "vllm-e+pd", "vllm-e+pd-compiled",
+    "epd-e/p/d-placed", "epd-e/p/d-vllmenc-placed", "vllm-e/p/d", "vllm-unsplit-compiled",
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
@@ -91,7 +99,8 @@ FIXED_CHUNKS = "-fixedchunks"  # suffix: the PD prefills 64-token chunks at any 
 # vLLM's E+PD the same plan with vLLM's own knob for its PD's model worker (`VLLM_CPU_OMP_THREADS_BIND`)
 PLACED = "-placed"
 # suffix: the engines that run the language model (PD's; prefill's and decode's) compiled by vLLM
-# (`--no-enforce-eager`, vLLM's own default; its examples deploy `--enforce-eager`); encoders stay eager
+# (`--no-enforce-eager`: vLLM's own default, its EPD examples deploy `--enforce-eager`; EPD's services'
+# default since 2026-12-06, so for EPD the suffix only names it); encoders stay eager
 COMPILED = "-compiled"
 DECODE_SLOTS = 8  # the decode's batch as EPD runs vLLM (`--max-batch`, vLLM's max_num_seqs)
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
@@ -307,6 +316,7 @@ class Results:
                         (peer + ONE_PROCESS if peer else None, "vs_peer"),  # where it ran too
                         (peer + COMPILED if peer else None, "vs_peer"),
                         (UNSPLIT if config != UNSPLIT else None, "vs_unsplit"),
+                        (UNSPLIT + COMPILED if not config.startswith(UNSPLIT) else None, "vs_unsplit"),
                     ):
                         if target is None or target not in self.runs:
                             continue
@@ -602,9 +612,9 @@ def load_average() -> tuple[float, float, float]:
 
 
 __all__ = [
-    "ARRIVALS", "CONFIGS", "DATASETS", "DECODE_GATE", "DOOR_PROCESS", "METRICS", "NO_DECODE_GATE", "PEERS", "TRACED",
-    "UNSPLIT", "UVLOOP", "VLLM_ENCODER",
+    "ARRIVALS", "COMPILED", "CONFIGS", "DATASETS", "DECODE_GATE", "DOOR_PROCESS", "METRICS", "NO_DECODE_GATE",
+    "ONE_PROCESS", "PEERS", "PLACED", "TRACED", "UNSPLIT", "UVLOOP", "VLLM_ENCODER",
     "Dataset", "Deployment", "Engine", "Point", "Results",
     "arrivals", "bench_serve", "bench_serve_args", "deployed", "median_range", "metrics_of", "plot", "points", "ratios",
-    "schedule", "streamed_share", "streamed_tpot", "table", "wins",
+    "schedule", "streamed_share", "streamed_tpot", "table", "wins", "without_suffixes",
 ]  # fmt: skip

@@ -51,6 +51,7 @@ def test_the_encoder_settings_become_vllms_encoder_only_arguments() -> None:
     }
     assert "kv_transfer_config" not in args
     assert (args["dtype"], args["kv_cache_memory_bytes"]) == ("float32", 64 << 20)  # today's CPU values
+    assert args["enforce_eager"] is True  # vLLM compiles no tower: the encoder runs eager
     assert args["max_num_seqs"] == 16  # Encode calls per tower step: --encode-batch-items, not the LM's --max-batch
     fewer = load_settings(
         EncoderBackendSettings, argv=["--engine", "vllm", "--model", "m", "--encode-batch-items", "4"], env={}

@@ -1,6 +1,7 @@
 """The families beyond Omni on vLLM, in `make test`: Qwen2.5-VL through E/P/D on vLLM with the
 reference encoder, Qwen3-VL (deepstack) through E/P/D on vLLM with the vLLM encoder. One stack per
-family and layout, shared by its cases. Every mix (text, image, two images, video, video sampled at
+family and layout, shared by its cases, its language-model engines compiled as deployed (the
+suite's other stacks run eager). Every mix (text, image, two images, video, video sampled at
 4 fps) gives the reference runtime's tokens; the mixes whose preprocessing vLLM shares with the
 project also give vLLM's own unsplit run's tokens (tests/support/vllm_unsplit.py). Omni: E+PD in
 test_vllm_pd.py, E/P/D in test_vllm_split.py; Qwen2.5-VL E+PD with the vLLM encoder in
@@ -62,6 +63,8 @@ def running(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         ready_timeout_s=600.0,
         # Every multimodal prompt prefilled in chunks, as in the Omni stacks.
         extra_args={"prefill": ["--max-num-batched-tokens", str(CHUNKED_PREFILL_TOKENS)]},
+        # The engines as deployed: vLLM compiles the language model (the suite's other stacks run eager).
+        env={"EPD_ENFORCE_EAGER": "false"},
     )
     with Stack(spec).running() as stack:
         yield Running(case, model, stack, {mix.name: mix for mix in mixes(case.family)})

@@ -40,7 +40,7 @@ def _args(settings: EngineSettings, *, ec: bool = True, kv: runtime.KvTransfer |
 def test_the_defaults_are_todays_cpu_values() -> None:
     settings = _settings([])
     args = _args(settings)
-    assert (args["dtype"], args["enforce_eager"], args["tensor_parallel_size"]) == ("float32", True, 1)
+    assert (args["dtype"], args["enforce_eager"], args["tensor_parallel_size"]) == ("float32", False, 1)  # compiled
     assert args["kv_cache_memory_bytes"] == 64 << 20 and "gpu_memory_utilization" not in args
     assert args["long_prefill_token_threshold"] == 64
     assert args["long_prefill_token_threshold_adaptive"] is False  # the prefill service: fixed chunks

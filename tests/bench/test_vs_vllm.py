@@ -67,6 +67,19 @@ def test_every_epd_configuration_has_vllms_deployment_of_its_layout_as_peer() ->
 
 
 @pytest.mark.unit
+def test_configuration_suffixes_are_read_in_any_order() -> None:
+    suffixes = (vs_vllm.PLACED, vs_vllm.VLLM_ENCODER, vs_vllm.COMPILED)
+    expected = ("e+pd", frozenset(suffixes))
+    assert vs_vllm.without_suffixes("e+pd-vllmenc-placed-compiled", suffixes) == expected
+    assert vs_vllm.without_suffixes("e+pd-compiled-vllmenc-placed", suffixes) == expected
+    assert vs_vllm.without_suffixes("e/p/d", suffixes) == ("e/p/d", frozenset())
+    assert vs_vllm.without_suffixes("vllm-e+pd-compiled", (vs_vllm.ONE_PROCESS, vs_vllm.COMPILED)) == (
+        "vllm-e+pd",
+        frozenset({vs_vllm.COMPILED}),
+    )
+
+
+@pytest.mark.unit
 def test_the_schedule_interleaves_configurations() -> None:
     assert vs_vllm.schedule(["a", "b", "c"], 2) == [(0, "a"), (0, "b"), (0, "c"), (1, "a"), (1, "b"), (1, "c")]
 
