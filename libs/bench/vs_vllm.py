@@ -40,7 +40,10 @@ Configurations (same checkpoint, same requests: `bench serve --seed`):
   vLLM's own default; its EPD examples deploy `--enforce-eager`, so `vllm-e+pd` runs eager). EPD's
   services compile by default since 2026-12-06 (every EPD configuration ran eager before); for EPD
   the suffix only names it. Encoders run eager on both sides. Ratios are given against the peer
-  as documented and against it compiled, and against one unsplit `vllm serve` both ways.
+  as documented and against it compiled, and against one unsplit `vllm serve` both ways;
+- `epd-e/p/d-placed-eager`, `epd-e+pd-placed-eager`: EPD's language-model engines eager (`--enforce-eager`,
+  EPD's default before 2026-12-06); `epd-e/p/d-placed-prefilleager`, `epd-e/p/d-placed-decodeeager`:
+  only the prefill service's engine, or only the decode's: what compiling buys or costs per role.
 
 Suffixes combine in any order (`epd-e+pd-vllmenc-placed-compiled`).
 
@@ -78,6 +81,8 @@ CONFIGS = (
     "epd-e/p/d-placed", "epd-e/p/d-vllmenc-placed",
     "epd-e+pd-placed-compiled", "epd-e+pd-vllmenc-placed-compiled", "vllm-e+pd-compiled",
     "epd-e/p/d-placed-compiled", "epd-e/p/d-vllmenc-placed-compiled", "vllm-e/p/d-compiled", "vllm-unsplit-compiled",
+    "epd-e/p/d-placed-eager", "epd-e/p/d-placed-prefilleager", "epd-e/p/d-placed-decodeeager",
+    "epd-e+pd-placed-eager",
 )  # fmt: skip
 # The issue's matrix, `make bench-vs-vllm`'s: EPD as `epd up --placement` runs it, both encoders,
 # against vLLM's documented deployments and one unsplit `vllm serve`. The other configurations
@@ -102,6 +107,11 @@ PLACED = "-placed"
 # (`--no-enforce-eager`: vLLM's own default, its EPD examples deploy `--enforce-eager`; EPD's services'
 # default since 2026-12-06, so for EPD the suffix only names it); encoders stay eager
 COMPILED = "-compiled"
+# suffixes: the prefill service's engine, the decode's, or every language-model engine run eager
+# (`--enforce-eager`, EPD's default before 2026-12-06): which role's compiled graph costs what
+PREFILL_EAGER = "-prefilleager"
+DECODE_EAGER = "-decodeeager"
+EAGER = "-eager"
 DECODE_SLOTS = 8  # the decode's batch as EPD runs vLLM (`--max-batch`, vLLM's max_num_seqs)
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
 PEERS = {
@@ -116,6 +126,8 @@ PEERS = {
     "epd-e/p/d-placed": "vllm-e/p/d", "epd-e/p/d-vllmenc-placed": "vllm-e/p/d",
     "epd-e+pd-placed-compiled": "vllm-e+pd", "epd-e+pd-vllmenc-placed-compiled": "vllm-e+pd",
     "epd-e/p/d-placed-compiled": "vllm-e/p/d", "epd-e/p/d-vllmenc-placed-compiled": "vllm-e/p/d",
+    "epd-e/p/d-placed-eager": "vllm-e/p/d", "epd-e/p/d-placed-prefilleager": "vllm-e/p/d",
+    "epd-e/p/d-placed-decodeeager": "vllm-e/p/d", "epd-e+pd-placed-eager": "vllm-e+pd",
 }  # fmt: skip
 UNSPLIT = "vllm-unsplit"
 
@@ -485,7 +497,7 @@ class Deployment:
 
 # EPD's configuration suffixes, in the order `deployed` reads them
 EPD_SUFFIXES = (DOOR_PROCESS, UVLOOP, DECODE_GATE, NO_DECODE_GATE, TRACED, UNBATCHED, FIXED_CHUNKS, PLACED,
-                VLLM_ENCODER, COMPILED)  # fmt: skip
+                VLLM_ENCODER, COMPILED, PREFILL_EAGER, DECODE_EAGER, EAGER)  # fmt: skip
 
 
 def without_suffixes(name: str, suffixes: Sequence[str]) -> tuple[str, frozenset[str]]:
@@ -504,9 +516,8 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
     name = model.name
     if config.startswith("epd-"):
         layout, flags = without_suffixes(config.removeprefix("epd-"), EPD_SUFFIXES)
-        door_process, uvloop, gate, no_gate, traced, unbatched, fixed_chunks, placed, vllm_encoder, compiled = (
-            s in flags for s in EPD_SUFFIXES
-        )
+        (door_process, uvloop, gate, no_gate, traced, unbatched, fixed_chunks, placed, vllm_encoder, compiled,
+         prefill_eager, decode_eager, eager) = (s in flags for s in EPD_SUFFIXES)  # fmt: skip
         env = {"EPD_EVENT_LOOP": "uvloop"} if uvloop else {}
         in_flight = str(DECODE_SLOTS) if gate else "0" if no_gate else None
         service_args = {"router": ["--decode-in-flight", in_flight]} if in_flight is not None else {}
@@ -514,9 +525,10 @@ def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_time
             service_args["pd"] = ["--prefill-batch-steps", "0"]
         if fixed_chunks:
             service_args["pd"] = [*service_args.get("pd", []), "--no-prefill-chunk-fair-share"]
-        if compiled:
-            for role in ("pd", "prefill", "decode"):
-                service_args[role] = [*service_args.get(role, []), "--no-enforce-eager"]
+        for role, role_eager in (("pd", eager), ("prefill", eager or prefill_eager), ("decode", eager or decode_eager)):
+            if role_eager or compiled:
+                mode = "--enforce-eager" if role_eager else "--no-enforce-eager"
+                service_args[role] = [*service_args.get(role, []), mode]
         if traced:
             env |= {"EPD_TRACE_EXPORTER": "jsonl", "EPD_TRACE_FILE": str(run_dir / "spans.jsonl")}
         spec = StackSpec(layout=layout, encoders=1, model=model, run_dir=run_dir, engine="vllm",
@@ -612,8 +624,8 @@ def load_average() -> tuple[float, float, float]:
 
 
 __all__ = [
-    "ARRIVALS", "COMPILED", "CONFIGS", "DATASETS", "DECODE_GATE", "DOOR_PROCESS", "METRICS", "NO_DECODE_GATE",
-    "ONE_PROCESS", "PEERS", "PLACED", "TRACED", "UNSPLIT", "UVLOOP", "VLLM_ENCODER",
+    "ARRIVALS", "COMPILED", "CONFIGS", "DATASETS", "DECODE_EAGER", "DECODE_GATE", "DOOR_PROCESS", "EAGER", "METRICS",
+    "NO_DECODE_GATE", "ONE_PROCESS", "PEERS", "PLACED", "PREFILL_EAGER", "TRACED", "UNSPLIT", "UVLOOP", "VLLM_ENCODER",
     "Dataset", "Deployment", "Engine", "Point", "Results",
     "arrivals", "bench_serve", "bench_serve_args", "deployed", "median_range", "metrics_of", "plot", "points", "ratios",
     "schedule", "streamed_share", "streamed_tpot", "table", "wins", "without_suffixes",
