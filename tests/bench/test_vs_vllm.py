@@ -73,6 +73,15 @@ def test_configuration_suffixes_are_read_in_any_order() -> None:
     assert vs_vllm.without_suffixes("e+pd-vllmenc-placed-compiled", suffixes) == expected
     assert vs_vllm.without_suffixes("e+pd-compiled-vllmenc-placed", suffixes) == expected
     assert vs_vllm.without_suffixes("e/p/d", suffixes) == ("e/p/d", frozenset())
+    # One role's engine eager is not every engine eager: the suffixes share their tail.
+    assert vs_vllm.without_suffixes("e/p/d-placed-prefilleager", vs_vllm.EPD_SUFFIXES) == (
+        "e/p/d",
+        frozenset({vs_vllm.PLACED, vs_vllm.PREFILL_EAGER}),
+    )
+    assert vs_vllm.without_suffixes("e/p/d-placed-eager", vs_vllm.EPD_SUFFIXES) == (
+        "e/p/d",
+        frozenset({vs_vllm.PLACED, vs_vllm.EAGER}),
+    )
     assert vs_vllm.without_suffixes("vllm-e+pd-compiled", (vs_vllm.ONE_PROCESS, vs_vllm.COMPILED)) == (
         "vllm-e+pd",
         frozenset({vs_vllm.COMPILED}),
