@@ -9,13 +9,18 @@ two tokens of every sequence in the batch. The plan for a disaggregated stack on
   E/P/D) alone on the host's last CPU;
 - the router (with its door), that service's own process (its gRPC front, vLLM's input processing,
   the token relay) and, in E/P/D, the prefill service with its engine on the other CPUs;
-- the encoders on every CPU at the lowest priority (nice 19): they take what the others leave and
-  give way at once, so the engine's core is theirs only while it idles;
-- at most twice the decoding engine's batch of requests inside the stack (the router's
-  `--max-running`): one batch decoding, one being encoded, planned (and in E/P/D prefilled). The
-  engine no longer being the bottleneck, more would only add their encoding, planning and input
-  processing to the services' CPUs, where the running requests' tokens are relayed (measured, E+PD:
-  at 64 clients with no bound, 8-19 ms per token); the rest wait at the router, costing nothing.
+- the encoders on every CPU at the lowest priority (nice 19, their session's too: `process.py`,
+  `set_session_nice`): they take what the others leave and give way at once, so the engine's core
+  is theirs only while it idles. Before 2026-12-06 only the process's own nice was set, which the
+  kernel's session groups ignore between sessions: the encoders took an equal share of the engine's
+  core and delayed its wake-ups by milliseconds (3img, 64 clients: 3.6 ms per token, vLLM encoder);
+- at most four times the decoding engine's batch of requests inside the stack (the router's
+  `--max-running`): one batch decoding, the others being encoded, planned (and in E/P/D prefilled).
+  With encoders that give way, the deeper queue keeps their (lower priority) work going while the
+  engine decodes: 3img at 64 clients, vLLM encoder, 602 tokens/s and 1.7 ms per token against 364
+  with two batches (reference encoder: 680, 1.8 ms; 574, 2.4 ms before the fix with two batches).
+  Deeper still (eight batches) bought nothing more (vLLM encoder: 507 tokens/s). The rest wait at
+  the router, costing nothing.
 
 Measured on 2 cores (docs/results/bench-vs-vllm.md, "The engine on a core of its own").
 """
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 
 ENCODER_NICE = 19  # the lowest priority: an encoder runs where nothing else wants the core
 BATCH = 8  # the PD's and the decode's `--max-batch` default (vLLM's max_num_seqs)
+ADMITTED_BATCHES = 4  # requests inside the stack, in decoding batches (the router's `--max-running`)
 DECODING_ROLE = {"e+pd": "pd", "e/p/d": "decode"}  # per layout, the service whose engine decodes
 
 
@@ -39,7 +45,7 @@ class Placement:
     service_cpus: frozenset[int]  # every other process but the encoders
     decoding_role: str = "pd"  # the service whose engine decodes: pd (E+PD) or decode (E/P/D)
     encoder_nice: int = ENCODER_NICE  # the encoders, on every CPU
-    batch: int = BATCH  # the decoding engine's; the router admits twice this
+    batch: int = BATCH  # the decoding engine's; the router admits ADMITTED_BATCHES of these
 
     @classmethod
     def for_host(cls, cpus: Set[int] | None = None, layout: str = "e+pd") -> Placement:
@@ -65,5 +71,5 @@ class Placement:
         if role == self.decoding_role:
             return ["--engine-cpus", ",".join(map(str, sorted(self.engine_cpus)))]
         if role == "router":
-            return ["--max-running", str(2 * self.batch)]
+            return ["--max-running", str(ADMITTED_BATCHES * self.batch)]
         return []

@@ -34,6 +34,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def set_session_nice(nice: int, attempts: int = 50) -> bool:
+    """Give the calling process's session the nice value `nice` (Linux autogroups).
+
+    Where the kernel groups tasks by session (`/proc/sys/kernel/sched_autogroup_enabled`), the CPU is
+    shared between sessions first and a task's own nice counts only inside its session: a service
+    started in a session of its own (`start_new_session`) at nice 19 still takes half a core from a
+    nice-0 engine in another session, and delays its wake-ups by milliseconds (measured here: 3.7 ms
+    p99). The session's nice is what ranks it against the others. Non-root writers are limited to one
+    write per 100 ms host-wide (EAGAIN): retried for up to `attempts` x 20 ms. False where the kernel
+    has no autogroups or refused; the task's own nice then is all there is."""
+    for _ in range(attempts):
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(nice))
+            return True
+        except BlockingIOError:
+            time.sleep(0.02)
+        except OSError:
+            return False
+    return False
+
+
+def session_nice(pid: int) -> int | None:
+    """The nice value of `pid`'s session (`set_session_nice`); None where there are no autogroups."""
+    try:
+        text = Path(f"/proc/{pid}/autogroup").read_text()
+    except OSError:
+        return None
+    match = re.search(r"nice (-?\d+)", text)
+    return int(match.group(1)) if match else None
+
+
 class LaunchError(RuntimeError):
     """A service process did not come up; the message carries the tail of its log."""
 
@@ -94,7 +126,7 @@ class ServiceProcess:
         if self.cpus is not None:
             os.sched_setaffinity(0, self.cpus)
         if self.nice:
-            os.nice(self.nice)
+            set_session_nice(os.nice(self.nice))
 
     @property
     def pid(self) -> int:

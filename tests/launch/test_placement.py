@@ -21,7 +21,7 @@ def test_the_engine_gets_the_last_cpu_alone_and_the_services_the_rest() -> None:
     for role in ("pd", "router", "openai_door"):
         assert plan.cpus(role) == {0, 1, 2}
         assert plan.nice(role) == 0
-    assert plan.args("router") == ["--max-running", "16"]  # one batch of the PD's 8 decoding, one preparing
+    assert plan.args("router") == ["--max-running", "32"]  # one batch of the PD's 8 decoding, three preparing
     assert plan.args("openai_door") == []
 
 
@@ -31,7 +31,7 @@ def test_in_e_p_d_the_decode_engine_is_alone_and_the_prefill_beside_the_services
     assert plan.args("prefill") == []  # its engine stays with its service
     for role in ("prefill", "decode", "router"):
         assert plan.cpus(role) == {0}
-    assert plan.args("router") == ["--max-running", "16"]
+    assert plan.args("router") == ["--max-running", "32"]
 
 
 def test_the_colocated_layout_has_no_plan() -> None:
