@@ -35,7 +35,7 @@ from libs.contract.epd.v1 import (
     tensor_pb2,
 )
 from libs.contract.reasons import Reason, reason_of
-from libs.launch.process import ServiceProcess
+from libs.launch.process import ServiceProcess, session_nice
 from libs.launch.stack import Stack
 from libs.rpc.server import open_channel
 from libs.runtime import types as eng
@@ -225,6 +225,8 @@ def test_placed_the_decode_engine_runs_alone_and_every_other_process_on_the_serv
             assert process.nice() == 0
     assert _cpus_of_threads(processes["encoder-0"]) == {frozenset(os.sched_getaffinity(0))}
     assert processes["encoder-0"].nice() == plan.encoder_nice
+    # ... its session too: across sessions the kernel's autogroups rank by the session's nice alone.
+    assert session_nice(processes["encoder-0"].pid) in (None, plan.encoder_nice)
 
 
 def test_prefill_and_decode_advertise_vllm_and_paged_kv(vllm_split_stack: Stack) -> None:
