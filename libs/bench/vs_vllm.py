@@ -82,7 +82,7 @@ CONFIGS = (
     "epd-e+pd-placed-compiled", "epd-e+pd-vllmenc-placed-compiled", "vllm-e+pd-compiled",
     "epd-e/p/d-placed-compiled", "epd-e/p/d-vllmenc-placed-compiled", "vllm-e/p/d-compiled", "vllm-unsplit-compiled",
     "epd-e/p/d-placed-eager", "epd-e/p/d-placed-prefilleager", "epd-e/p/d-placed-decodeeager",
-    "epd-e+pd-placed-eager",
+    "epd-e+pd-placed-eager", "epd-e+pd-placed-traced", "epd-e+pd-vllmenc-placed-traced",
 )  # fmt: skip
 # The issue's matrix, `make bench-vs-vllm`'s: EPD as `epd up --placement` runs it, both encoders,
 # against vLLM's documented deployments and one unsplit `vllm serve`. The other configurations
@@ -128,6 +128,7 @@ PEERS = {
     "epd-e/p/d-placed-compiled": "vllm-e/p/d", "epd-e/p/d-vllmenc-placed-compiled": "vllm-e/p/d",
     "epd-e/p/d-placed-eager": "vllm-e/p/d", "epd-e/p/d-placed-prefilleager": "vllm-e/p/d",
     "epd-e/p/d-placed-decodeeager": "vllm-e/p/d", "epd-e+pd-placed-eager": "vllm-e+pd",
+    "epd-e+pd-placed-traced": "vllm-e+pd", "epd-e+pd-vllmenc-placed-traced": "vllm-e+pd",
 }  # fmt: skip
 UNSPLIT = "vllm-unsplit"
 

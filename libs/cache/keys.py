@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Literal
 
 from libs.contract.epd.v1 import media_pb2
@@ -45,13 +46,13 @@ class Namespace:
             if not value:
                 raise ValueError(f"namespace field {name} must be non-empty")
 
-    @property
+    @cached_property  # computed once: every cache lookup and publish names its store key
     def token(self) -> str:
         """A short stable digest of the namespace, used inside store keys."""
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
 
-    @property
+    @cached_property
     def key_prefix(self) -> str:
         """Prefix of every store key in this namespace (advertised in `EncoderCacheInfo.key_prefix`)."""
         return f"{KEY_PREFIX}/{self.token}"
@@ -79,7 +80,7 @@ def _digest(modality: str, options: Mapping[str, object], data: bytes) -> str:
 
 def content_hash(modality: Modality, options: ProcessorOptions, data: bytes) -> str:
     """Hex SHA-256 of modality, processor options and bytes: equal to `encoder_runner.media_hash`."""
-    return _digest(modality.value, asdict(options), data)
+    return _digest(modality.value, options.as_dict(), data)
 
 
 def wire_content_hash(item: media_pb2.MediaItem, data: bytes) -> str:
@@ -104,7 +105,7 @@ def client_id_hash(modality: Modality, options: ProcessorOptions, client_id: str
         raise ValueError("client_id must be non-empty")
     digest = hashlib.sha256(b"epd.client-id\0")
     digest.update(modality.value.encode() + b"\0")
-    digest.update(_options_json(asdict(options)) + b"\0")
+    digest.update(_options_json(options.as_dict()) + b"\0")
     digest.update(client_id.encode())
     return digest.hexdigest()
 

@@ -8,7 +8,6 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -45,7 +44,7 @@ def media_hash(media: MediaInput) -> str:
     """Hex SHA-256 of the modality, the processor options and the bytes (the encoder-cache key)."""
     digest = hashlib.sha256()
     digest.update(media.modality.value.encode())
-    options: dict[str, object] = asdict(media.options)
+    options = media.options.as_dict()
     if media.audio_window_start_frame:  # a later window of a long clip (Whisper): its own item
         options["audio_window_start_frame"] = media.audio_window_start_frame
     digest.update(json.dumps(options, sort_keys=True).encode())

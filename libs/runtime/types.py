@@ -116,6 +116,10 @@ class ProcessorOptions:
     video_fps: float | None = None
     video_max_frames: int | None = None
 
+    def as_dict(self) -> dict[str, object]:
+        """The fields by name (`dataclasses.asdict` without its deep copy: every item hashes this)."""
+        return dict(vars(self))
+
 
 @dataclass(frozen=True)
 class MediaInput:

@@ -22,6 +22,14 @@ def test_content_hash_is_the_engines_media_hash() -> None:
             assert content_hash(modality, options, media.data) == media_hash(media)
 
 
+def test_options_hash_as_their_dataclass_dict_so_keys_stay_stable() -> None:
+    """The hashes read the options through `as_dict` (no deep copy): the same dict as
+    `dataclasses.asdict`, so every content hash, and every store key, is the one it was."""
+    every = ProcessorOptions(min_pixels=3136, max_pixels=12544, video_fps=2.0, video_max_frames=8)
+    for options in (ProcessorOptions(), every):
+        assert options.as_dict() == dataclasses.asdict(options)
+
+
 def test_the_routers_wire_hash_is_the_encoders_hash() -> None:
     """The router hashes wire items to find them in the store; the encoder hashes engine inputs
     (`convert.media_input`). Equal for every modality, with and without each option."""
