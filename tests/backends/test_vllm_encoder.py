@@ -42,6 +42,7 @@ from libs.runtime.checkpoints import ensure_checkpoint
 from libs.runtime.encoder_runner import EncoderRunner
 from libs.runtime.media import synthetic
 from libs.serving import convert
+from libs.telemetry.spans import by_trace, load_jsonl
 from tests.support.vllm_stack import (
     call,
     engine_processes,
@@ -68,6 +69,7 @@ IMAGE = synthetic.png_bytes(112, 84, seed=1)
 # real difference (another image, another layout: order 1).
 ATOL = 1e-4
 HANG_S = 5.0  # the encoder's watchdog timeout in this module
+SPANS = "spans.jsonl"  # every service's spans, in the stack's run folder
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -82,12 +84,13 @@ def stack(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sta
         layout="e+pd",
         encoders=1,
         model=model,
-        run_dir=tmp_path_factory.mktemp("vllm-encoder"),
+        run_dir=(run_dir := tmp_path_factory.mktemp("vllm-encoder")),
         engine="vllm",
         encoder_engine="vllm",
         # The engine-life tests: a stopped engine with an Encode queued is given up after HANG_S.
         extra_args={"encoder-0": ["--engine-hang-timeout-s", str(HANG_S), "--engine-backoff-start-s", "0.5"]},
         ready_timeout_s=420.0,
+        env={"EPD_TRACE_EXPORTER": "jsonl", "EPD_TRACE_FILE": str(run_dir / SPANS)},
     )
     with Stack(spec).running() as running:
         yield running
@@ -151,6 +154,34 @@ def expected(model: Path) -> dict[str, list[int]]:
 def test_tokens_equal_the_reference_runtime(stack: Stack, expected: dict[str, list[int]], mix: str) -> None:
     result = call(stack.address, request(MIXES[mix]))
     assert result.token_ids == expected[mix]
+    _wait_empty(stack)
+
+
+def test_the_encoders_preprocessing_is_a_stage_of_its_own(stack: Stack, expected: dict[str, list[int]]) -> None:
+    """Decoding and resizing the call's items are the encoder's `preprocess` stage in the trace
+    (before 2026-12-06 untraced: the trace report counted them as the service's bookkeeping): one
+    `encoder.preprocess` span per Encode call, naming its items, ended before vLLM's compute starts."""
+    result = call(stack.address, request(MIXES["two_images"], request_id="traced-two-images"))
+    assert result.token_ids == expected["two_images"]
+    spans_file = stack.spec.run_dir / SPANS
+    deadline = time.monotonic() + 60  # the services export their spans in batches (every 5 s)
+    while True:
+        traces = by_trace(load_jsonl(spans_file)) if spans_file.exists() else {}
+        trace = next((t for t in traces.values() if any(s.name == "encoder.compute" for s in t)
+                      and any(s.attributes.get("epd.request_id") == "traced-two-images" for s in t)), None)  # fmt: skip
+        if trace is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)  # polls the file the services append to
+    assert trace is not None, "no trace of the request with the encoder's spans"
+    encodes = [s for s in trace if s.name == "EncoderService/Encode"]
+    assert encodes
+    for server in encodes:
+        children = {s.name: s for s in trace if s.parent_id == server.span_id}
+        preprocess, compute = children["encoder.preprocess"], children["encoder.compute"]
+        assert preprocess.attributes["epd.stage"] == "preprocess"
+        assert preprocess.end_ns <= compute.start_ns
+    items = sum(int(s.attributes["items"]) for s in trace if s.name == "encoder.preprocess")
+    assert items == len(MIXES["two_images"].media)
     _wait_empty(stack)
 
 

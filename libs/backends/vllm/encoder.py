@@ -34,6 +34,7 @@ import shutil
 import tempfile
 import time
 import uuid as uuids
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,9 @@ class VllmEncoder(EncoderBackend):
         self.in_flight = InFlight()
         self._failure_dir = failure_dir
         self._dtype = torch.float32  # the engine's, once it started (`--dtype auto` resolves there)
+        # Decoding and resizing, one item at a time on one thread: more threads add no core on this
+        # GIL, they delay the event loop's wake-ups for the next calls (see `_encode`).
+        self._preparing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder-prepare")
         self._active = 0
         self.supervisor = EngineSupervisor(
             lambda: runtime.build_engine(settings, failure_dir=failure_dir, ec_consumer=False, ec_producer=True),
@@ -163,7 +167,11 @@ class VllmEncoder(EncoderBackend):
         producer = self.transport.producer
         assert producer is not None, "the transport is bound once the server listens"
         media = job_media(request, max_bytes=self.limits.max_inline_media_bytes, file_root=self.file_root)
-        prepared = await asyncio.gather(*(asyncio.to_thread(self._prepare, m, i) for i, m in enumerate(media)))
+        loop = asyncio.get_running_loop()
+        with stage("encoder.preprocess", "preprocess", items=len(media)):
+            prepared = await asyncio.gather(
+                *(loop.run_in_executor(self._preparing, self._prepare, m, i) for i, m in enumerate(media))
+            )
         items: list[_Item] = []
         published: list[tensor_pb2.TensorHandle] = []
         clean = True  # vLLM's request for this call cannot write a slot any more (not submitted, or finished)
@@ -327,6 +335,7 @@ class VllmEncoder(EncoderBackend):
         loop.call_later(QUARANTINE_S, pool.release_quarantined, reservation.slot)
 
     async def close(self) -> None:
+        self._preparing.shutdown(wait=False, cancel_futures=True)
         await self.supervisor.close()
         self.transport.close()
         shutil.rmtree(self._failure_dir, ignore_errors=True)
