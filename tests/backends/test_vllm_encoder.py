@@ -164,24 +164,28 @@ def test_the_encoders_preprocessing_is_a_stage_of_its_own(stack: Stack, expected
     result = call(stack.address, request(MIXES["two_images"], request_id="traced-two-images"))
     assert result.token_ids == expected["two_images"]
     spans_file = stack.spec.run_dir / SPANS
-    deadline = time.monotonic() + 60  # the services export their spans in batches (every 5 s)
+    items = len(MIXES["two_images"].media)
+    # The services export their spans in batches (every 5 s), each in the order they ended: an
+    # Encode server span after its stages. Wait for the Encode calls of all the request's items.
+    deadline = time.monotonic() + 60
     while True:
         traces = by_trace(load_jsonl(spans_file)) if spans_file.exists() else {}
-        trace = next((t for t in traces.values() if any(s.name == "encoder.compute" for s in t)
-                      and any(s.attributes.get("epd.request_id") == "traced-two-images" for s in t)), None)  # fmt: skip
-        if trace is not None or time.monotonic() > deadline:
+        trace = next((t for t in traces.values()
+                      if any(s.attributes.get("epd.request_id") == "traced-two-images" for s in t)), [])  # fmt: skip
+        encodes = [s for s in trace if s.name == "EncoderService/Encode"]
+        calls = {s.span_id for s in encodes}
+        prepared = sum(
+            int(s.attributes["items"]) for s in trace if s.name == "encoder.preprocess" and s.parent_id in calls
+        )
+        if prepared >= items or time.monotonic() > deadline:
             break
         time.sleep(0.5)  # polls the file the services append to
-    assert trace is not None, "no trace of the request with the encoder's spans"
-    encodes = [s for s in trace if s.name == "EncoderService/Encode"]
-    assert encodes
+    assert prepared == items, f"{prepared} of the request's {items} items in encoder.preprocess spans"
     for server in encodes:
         children = {s.name: s for s in trace if s.parent_id == server.span_id}
         preprocess, compute = children["encoder.preprocess"], children["encoder.compute"]
         assert preprocess.attributes["epd.stage"] == "preprocess"
         assert preprocess.end_ns <= compute.start_ns
-    items = sum(int(s.attributes["items"]) for s in trace if s.name == "encoder.preprocess")
-    assert items == len(MIXES["two_images"].media)
     _wait_empty(stack)
 
 
