@@ -131,8 +131,9 @@ class VllmEncoder(EncoderBackend):
         self.in_flight = InFlight()
         self._failure_dir = failure_dir
         self._dtype = torch.float32  # the engine's, once it started (`--dtype auto` resolves there)
-        # Decoding and resizing, one item at a time on one thread: more threads add no core on this
-        # GIL, they delay the event loop's wake-ups for the next calls (see `_encode`).
+        # Decoding and resizing, one item at a time on one thread: more threads add no core under
+        # the GIL, they only delay the event loop's handling of the next calls (3img c=16: TTFT p50
+        # 470 ms against 544 with asyncio.to_thread's pool; docs/results/bench-vs-vllm.md).
         self._preparing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder-prepare")
         self._active = 0
         self.supervisor = EngineSupervisor(
