@@ -46,14 +46,23 @@ def _request(request_id: str, seed: int) -> encoder_pb2.EncodeRequest:
     )
 
 
-def _hold_transfer_threads(encoder: ReferenceEncoder, gate: threading.Event) -> list[asyncio.Future[bool]]:
+async def _hold_transfer_threads(encoder: ReferenceEncoder, gate: threading.Event) -> list[asyncio.Future[bool]]:
+    """Every transfer thread busy until `gate` is set; returns once each runs its holding job."""
     loop = asyncio.get_running_loop()
-    executor = encoder.transport._executor
-    return [loop.run_in_executor(executor, gate.wait) for _ in range(TRANSFER_THREADS)]
+    running = threading.Semaphore(0)
+
+    def hold() -> bool:
+        running.release()
+        return gate.wait()
+
+    held = [loop.run_in_executor(encoder.transport._executor, hold) for _ in range(TRANSFER_THREADS)]
+    for _ in held:
+        assert await asyncio.to_thread(running.acquire, True, 60), "a transfer thread never took its job"
+    return held
 
 
 async def _queued_on_transfer_threads(encoder: ReferenceEncoder) -> None:
-    """Until a job waits for the (held) transfer threads; bounded by the test's timeout."""
+    """Until a job waits for the (held) transfer threads; bounded by the caller's timeout."""
     while encoder.transport._executor._work_queue.qsize() == 0:
         await asyncio.sleep(0.005)
 
@@ -74,7 +83,7 @@ def test_a_larger_item_is_published_on_the_transfer_threads(monkeypatch: pytest.
 
 async def _small_item_on_the_loop(backend: ReferenceEncoder) -> None:
     gate = threading.Event()
-    held = _hold_transfer_threads(backend, gate)
+    held = await _hold_transfer_threads(backend, gate)
     try:
         response = await asyncio.wait_for(backend.encode(_request("small", seed=1), None), timeout=60)
         (item,) = response.items
@@ -90,7 +99,7 @@ async def _small_item_on_the_loop(backend: ReferenceEncoder) -> None:
 
 async def _large_item_on_the_threads(backend: ReferenceEncoder) -> None:
     gate = threading.Event()
-    held = _hold_transfer_threads(backend, gate)
+    held = await _hold_transfer_threads(backend, gate)
     call = asyncio.ensure_future(backend.encode(_request("large", seed=2), None))
     try:
         await asyncio.wait_for(_queued_on_transfer_threads(backend), timeout=60)
