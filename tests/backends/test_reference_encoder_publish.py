@@ -21,8 +21,6 @@ from libs.runtime.media import synthetic
 
 pytestmark = pytest.mark.integration
 
-TRANSFER_THREADS = 2  # Transport's default
-
 
 def _with_backend(body: Callable[[ReferenceEncoder], Awaitable[None]]) -> None:
     async def run() -> None:
@@ -55,7 +53,8 @@ async def _hold_transfer_threads(encoder: ReferenceEncoder, gate: threading.Even
         running.release()
         return gate.wait()
 
-    held = [loop.run_in_executor(encoder.transport._executor, hold) for _ in range(TRANSFER_THREADS)]
+    executor = encoder.transport._executor
+    held = [loop.run_in_executor(executor, hold) for _ in range(executor._max_workers)]
     for _ in held:
         assert await asyncio.to_thread(running.acquire, True, 60), "a transfer thread never took its job"
     return held
