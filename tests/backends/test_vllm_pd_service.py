@@ -233,12 +233,13 @@ def test_a_request_arriving_mid_decode_waits_in_the_service_for_the_next_round(p
                 arriving = TokenStream(stub.PrefillDecode(_request("arriving", "Say hi.", 4), timeout=240))
                 late = asyncio.ensure_future(arriving.run())
                 await until_in_flight(pd.address, 2)  # admitted by the service
-                for _ in range(3000):  # into vLLM once let in: waiting there behind the running one
-                    if await asyncio.to_thread(pd.gauge, "vllm:num_requests_waiting") == 1:
-                        break
+                # Into vLLM once let in: waiting there behind the running one, for as long as that
+                # one decodes (its 4096 tokens); the time bound only stops a runaway.
+                bound = time.monotonic() + 200
+                while await asyncio.to_thread(pd.gauge, "vllm:num_requests_waiting") != 1:
+                    if running.done() or time.monotonic() > bound:
+                        raise AssertionError("the arriving request never reached vLLM while the other decoded")
                     await asyncio.sleep(0.01)
-                else:
-                    raise AssertionError("the arriving request never reached vLLM")
                 held = await asyncio.to_thread(_held_so_far, pd) - held_before  # recorded as it went in
                 decoding.call.cancel()  # vLLM's one slot frees
                 return held, await asyncio.wait_for(late, 120)

@@ -12,6 +12,7 @@ the engine's loader handles both alike.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import tempfile
@@ -112,9 +113,20 @@ def generate_checkpoint(family: str, size: str, out: Path, *, seed: int = 0) -> 
 
 def ensure_checkpoint(family: str, size: str = "tiny", *, seed: int = 0) -> Path:
     out = default_dir(family, size)
-    if not (out / "model.safetensors").is_file() or _fingerprint_of(out) != recipe_fingerprint(family, size, seed):
-        generate_checkpoint(family, size, out, seed=seed)
+    if _is_current(out, family, size, seed):
+        return out
+    # Processes that start at once (a stack's services, test workers) generate it once: the
+    # others wait on the lock, then find it current; none replaces a checkpoint another reads.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_current(out, family, size, seed):
+            generate_checkpoint(family, size, out, seed=seed)
     return out
+
+
+def _is_current(out: Path, family: str, size: str, seed: int) -> bool:
+    return (out / "model.safetensors").is_file() and _fingerprint_of(out) == recipe_fingerprint(family, size, seed)
 
 
 def _fingerprint_of(path: Path) -> str:
