@@ -115,7 +115,7 @@ def ensure_checkpoint(family: str, size: str = "tiny", *, seed: int = 0) -> Path
     out = default_dir(family, size)
     if _is_current(out, family, size, seed):
         return out
-    # Processes that start at once (a stack's services, test workers) generate it once: the
+    # Processes that start at once (two `epd` commands, a test beside a benchmark) generate it once: the
     # others wait on the lock, then find it current; none replaces a checkpoint another reads.
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
