@@ -18,8 +18,35 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
+from collections.abc import Callable, Iterator
+
+from opentelemetry import metrics
 
 from libs.contract.errors import DeadlineExceeded
+
+# Every live batching, for the gauges below: one per PD service.
+_LIVE: weakref.WeakSet[PrefillBatching] = weakref.WeakSet()
+
+
+def _observe(count: str) -> Callable[[metrics.CallbackOptions], Iterator[metrics.Observation]]:
+    def callback(_options: metrics.CallbackOptions) -> Iterator[metrics.Observation]:
+        yield metrics.Observation(sum(getattr(batching, count) for batching in list(_LIVE)))
+
+    return callback
+
+
+_meter = metrics.get_meter("epd")
+_meter.create_observable_gauge(
+    "epd.prefill_batch.held",
+    [_observe("held")],
+    description="Requests held by the service until the next round goes into the engine",
+)
+_meter.create_observable_gauge(
+    "epd.prefill_batch.running",
+    [_observe("running")],
+    description="Requests let into the engine and not out of it",
+)
 
 
 class Ticket:
@@ -59,6 +86,7 @@ class PrefillBatching:
         self.round = 0  # how many times requests went in
         self.steps = 0  # the most outputs one request read since then: the engine's steps
         self._held: list[asyncio.Future[None]] = []
+        _LIVE.add(self)
 
     @property
     def held(self) -> int:

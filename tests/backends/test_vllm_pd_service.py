@@ -213,6 +213,14 @@ def _held_so_far(pd: PdService) -> float:
     return sum(sample_values(pd.metrics(), "epd_stage_duration_seconds_count", 'epd_span="pd.prefill_batch"'))
 
 
+async def _until_gauge(pd: PdService, name: str, value: float, timeout_s: float = 120.0) -> None:
+    """Until the service's gauge `name` reads `value`, bounded."""
+    deadline = time.monotonic() + timeout_s
+    while (got := await asyncio.to_thread(pd.gauge, name)) != value:
+        assert time.monotonic() < deadline, f"{name} = {got}, never {value}"
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.timeout(300)
 def test_a_request_arriving_mid_decode_waits_in_the_service_for_the_next_round(pd: PdService) -> None:
     """--prefill-batch-steps (16 by default): a request reaching the PD while another decodes is held
@@ -228,13 +236,19 @@ def test_a_request_arriving_mid_decode_waits_in_the_service_for_the_next_round(p
             decoding_req.sampling.ignore_eos = True
             decoding = TokenStream(stub.PrefillDecode(decoding_req, timeout=240))
             running = asyncio.ensure_future(decoding.run())
+            late: asyncio.Future[list[int]] | None = None
             try:
-                await asyncio.wait_for(decoding.first.wait(), 120)
-                arriving = TokenStream(stub.PrefillDecode(_request("arriving", "Say hi.", 4), timeout=240))
-                late = asyncio.ensure_future(arriving.run())
-                await until_in_flight(pd.address, 2)  # admitted by the service
-                # Into vLLM once let in: waiting there behind the running one, for as long as that
-                # one decodes (its 4096 tokens); the time bound only stops a runaway.
+                # The engine stopped while both arrive: the decoding one is let into vLLM and can
+                # make no step, so the arriving one finds it inside its window, however fast the
+                # host or slow this client.
+                with frozen_engine(pd.process) as thaw:
+                    await _until_gauge(pd, "epd_prefill_batch_running", 1)
+                    arriving = TokenStream(stub.PrefillDecode(_request("arriving", "Say hi.", 4), timeout=240))
+                    late = asyncio.ensure_future(arriving.run())
+                    await _until_gauge(pd, "epd_prefill_batch_held", 1)
+                    thaw()
+                # Let in after the decoding one's 16 steps: waiting in vLLM behind it, for as long
+                # as that one decodes (its 4096 tokens); the time bound only stops a runaway.
                 bound = time.monotonic() + 200
                 while await asyncio.to_thread(pd.gauge, "vllm:num_requests_waiting") != 1:
                     if running.done() or time.monotonic() > bound:
@@ -245,7 +259,7 @@ def test_a_request_arriving_mid_decode_waits_in_the_service_for_the_next_round(p
                 return held, await asyncio.wait_for(late, 120)
             finally:
                 decoding.call.cancel()
-                await asyncio.gather(running, return_exceptions=True)
+                await asyncio.gather(running, *([late] if late else []), return_exceptions=True)
 
     held, tokens = asyncio.run(scenario())
     assert held == 1
