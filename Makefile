@@ -20,7 +20,7 @@ SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 # espeak-ng synthesizes the speech the Whisper demo and tests transcribe; `make run` calls the OpenAI door with curl.
 SYSTEM_PACKAGES := libibverbs1 espeak-ng curl
 
-.PHONY: help deps proto proto-check lint test test-fast run clean models bench-engine bench-transfer bench-cache bench-vllm bench-encoder bench-vs-vllm bench-vs-vllm-quick bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign callpath fuzz soak
+.PHONY: help deps proto proto-check lint test test-fast run clean models bench-engine bench-transfer bench-cache bench-vllm bench-encoder bench-pixels bench-vs-vllm bench-vs-vllm-quick bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign callpath fuzz soak
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -103,6 +103,9 @@ bench-vs-vllm-quick: deps ## the same, smoke size: c=1,4, one repeat, 8 prompts 
 
 bench-encoder: deps ## images/s at 1, 4, 16 concurrent Encode calls: vLLM encoder vs reference encoder (not in make test)
 	$(PY) tests/benchmarks/bench_encoder_engines.py --family qwen2_5_vl
+
+bench-pixels: deps ## CPU per image, JPEG to encoder input: pixels kept channels last vs a channels-first copy (not in make test)
+	$(PY) tests/benchmarks/bench_pixels.py
 
 bench-transfer: deps ## NIXL vs memcpy vs inline gRPC throughput, 64 KiB latency (not part of make test)
 	$(PY) tests/benchmarks/bench_transfer.py

@@ -73,7 +73,7 @@ class QwenVisionPreprocessor:
         return lo, hi
 
     def resized_image(self, data: bytes, options: ProcessorOptions, limits: MediaLimits) -> torch.Tensor:
-        """The decoded image resized to its patch grid: [1, 3, H, W] uint8 (what another engine's
+        """The decoded image resized to its patch grid: [1, 3, H, W] uint8, any strides (what another engine's
         processor is given so that its grid is this one: libs/backends/vllm/encoder.py)."""
         s = self.image_settings
         lo, hi = self._pixel_bounds(options, s.min_pixels, s.max_pixels, limits)

@@ -116,7 +116,7 @@ def read_video(data: bytes, limits: MediaLimits, plan: Callable[[VideoSource], F
                     rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1).unsqueeze(0)
                     if tuple(rgb.shape[-2:]) != (source.height, source.width):
                         raise InvalidMediaError("video frame size changes mid-stream", field="media.data")
-                    decoded[index] = resize_bicubic(rgb.contiguous(), chosen.height, chosen.width)
+                    decoded[index] = resize_bicubic(rgb, chosen.height, chosen.width)
     except (InvalidMediaError, MediaLimitError):
         raise
     except Exception as exc:
