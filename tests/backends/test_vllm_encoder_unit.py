@@ -43,6 +43,7 @@ def test_the_encoder_settings_become_vllms_encoder_only_arguments() -> None:
     settings = load_settings(EncoderBackendSettings, argv=["--engine", "vllm", "--model", "m"], env={})
     args = runtime.engine_args(settings, failure_dir=FAILURES, ec_consumer=False, ec_producer=True)
     assert args["mm_encoder_only"] is True and args["enable_prefix_caching"] is False
+    assert args["mm_processor_cache_gb"] == 0
     assert args["ec_transfer_config"] == {
         "ec_connector": "EpdECProducer",
         "ec_connector_module_path": "libs.backends.vllm.ec_producer",

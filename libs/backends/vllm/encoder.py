@@ -12,9 +12,10 @@ Per `Encode` call (vLLM batches the items of concurrent calls in one tower step)
 3. submit one encoder-only request to vLLM for the whole call (the items' pixels resized by the
    project, so the request's processor options hold and vLLM's grid is the layout's; one
    placeholder per item, in item order; a uuid unique per item; the slots, in item order, in
-   `ec_transfer_params`) and wait for vLLM to finish it. One request per call, not per item: vLLM's
-   per-request work (tokenizing, processing, scheduling, output) is paid once, and its processor
-   takes the call's images as one batch;
+   `ec_transfer_params`) and wait for vLLM to finish it. A call of images only goes in rendered,
+   its patch rows cut by the project (encoder_inputs.py: vLLM's input processing does not run); a
+   call with a video goes through vLLM's processor. One request per call, not per item: vLLM's
+   per-request work (processing, scheduling, output) is paid once;
 4. check each item's `written` mark (or, without it, the worker's failure report: FAILED_PRECONDITION
    naming the item when vLLM's rows or width differ from the layout), then publish the slots
    (lease, stamp, checksums) - or, for an INLINE-only caller, copy the bytes into the handles and
@@ -48,6 +49,7 @@ from libs.backends.in_flight import InFlight
 from libs.backends.settings import EncoderBackendSettings
 from libs.backends.vllm import runtime
 from libs.backends.vllm.ec_producer import failure_file, written_mark
+from libs.backends.vllm.encoder_inputs import ImageTokens, RenderedImage, rendered_images
 from libs.backends.vllm.shared_pool import SlotDescriptor
 from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or_exit
 from libs.contract.epd.v1 import encoder_pb2, layout_pb2, tensor_pb2
@@ -89,7 +91,9 @@ def _internal(message: str) -> EpdError:
 @dataclasses.dataclass
 class _Item:
     layout: eng.ItemLayout
-    media: Any  # what vLLM's processor takes: [H, W, 3] uint8, or ([T, H, W, 3] uint8 frames, metadata)
+    # What vLLM takes: an image's patch rows (a rendered call), or what its processor takes:
+    # [H, W, 3] uint8, or ([T, H, W, 3] uint8 frames, metadata).
+    media: Any
     reservation: Reservation
     uuid: str
 
@@ -131,6 +135,9 @@ class VllmEncoder(EncoderBackend):
         self.in_flight = InFlight()
         self._failure_dir = failure_dir
         self._dtype = torch.float32  # the engine's, once it started (`--dtype auto` resolves there)
+        # Once it started: whether its tower normalizes uint8 pixels itself, the image prompt tokens.
+        self._tower_normalizes = False
+        self._image_tokens: ImageTokens | None = None
         # Decoding and resizing, one item at a time on one thread: more threads add no core under
         # the GIL, they only delay the event loop's handling of the next calls (3img c=16: TTFT p50
         # 470 ms against 544 with asyncio.to_thread's pool; docs/results/bench-vs-vllm.md).
@@ -169,9 +176,10 @@ class VllmEncoder(EncoderBackend):
         assert producer is not None, "the transport is bound once the server listens"
         media = job_media(request, max_bytes=self.limits.max_inline_media_bytes, file_root=self.file_root)
         loop = asyncio.get_running_loop()
+        rendered = all(m.modality is eng.Modality.IMAGE for m in media)
         with stage("encoder.preprocess", "preprocess", items=len(media)):
             prepared = await asyncio.gather(
-                *(loop.run_in_executor(self._preparing, self._prepare, m, i) for i, m in enumerate(media))
+                *(loop.run_in_executor(self._preparing, self._prepare, m, i, rendered) for i, m in enumerate(media))
             )
         items: list[_Item] = []
         published: list[tensor_pb2.TensorHandle] = []
@@ -183,7 +191,7 @@ class VllmEncoder(EncoderBackend):
             clean = False
             try:
                 with stage("encoder.compute", "encode", **{"epd.engine": "vllm"}):
-                    await self._run(request.request_id, items, deadline)
+                    await self._run(request.request_id, items, deadline, rendered)
             finally:
                 self._active -= 1
             clean = True
@@ -210,8 +218,9 @@ class VllmEncoder(EncoderBackend):
                 failure_file(self._failure_dir, item.uuid).unlink(missing_ok=True)
             raise
 
-    def _prepare(self, media: eng.MediaInput, position: int) -> tuple[eng.ItemLayout, Any]:
-        """The item's layout (the project's preprocessing) and its media as vLLM takes it."""
+    def _prepare(self, media: eng.MediaInput, position: int, rendered: bool) -> tuple[eng.ItemLayout, Any]:
+        """The item's layout (the project's preprocessing) and its media as vLLM takes it: an
+        image's patch rows in a `rendered` call, else what vLLM's processor takes."""
         with engine_errors(f"items[{position}]"):
             if media.modality not in self.adapter.modalities or media.modality not in _PROMPTS:
                 raise UnsupportedModalityError(
@@ -226,7 +235,12 @@ class VllmEncoder(EncoderBackend):
                 # takes it as it is (`do_resize=False`), so its grid is the layout's.
                 resized = vision.resized_image(media.data, media.options, self.media_limits)
                 layout = adapter.image_item(media, media_hash(media), vision.image_grid(resized))
-                return layout, resized[0].permute(1, 2, 0).contiguous().numpy()  # [H, W, 3] uint8
+                if not rendered:
+                    return layout, resized[0].permute(1, 2, 0).contiguous().numpy()  # [H, W, 3] uint8
+                if self._tower_normalizes:
+                    return layout, vision.image_patches(resized, normalized=False)  # uint8
+                # Normalized here, in the engine's dtype, as vLLM's processor would give them.
+                return layout, vision.image_patches(resized).to(self._dtype)
             clip = vision.video(media.data, media.options, self.media_limits)
             layout = adapter.video_item(media, media_hash(media), clip)
             decoded = clip.decoded
@@ -252,7 +266,7 @@ class VllmEncoder(EncoderBackend):
         self.transport.agent.pool.buffer[start : start + STAMP_BYTES] = bytes(STAMP_BYTES)
         return _Item(layout, vllm_media, reservation, f"epd-enc-{uuids.uuid4().hex}")
 
-    async def _run(self, request_id: str, items: list[_Item], deadline: float | None) -> None:
+    async def _run(self, request_id: str, items: list[_Item], deadline: float | None, rendered: bool) -> None:
         """One encoder-only vLLM request for the call's items, run to its end."""
         pool_path = self.transport.agent.pool.share_path
         assert pool_path is not None, "the vLLM encoder's pool is shared"
@@ -275,22 +289,8 @@ class VllmEncoder(EncoderBackend):
         params = SamplingParams(max_tokens=1, extra_args={"ec_transfer_params": {"epd_slots": slots}})
         # vLLM orders a request's items by their placeholders' positions: the prompt lists them in
         # item order, so the worker's n-th item is the n-th slot (ec_producer.py).
-        data: dict[str, list[Any]] = {}
-        uuids: dict[str, list[str]] = {}
-        for item in items:
-            kind = item.layout.modality.value
-            data.setdefault(kind, []).append(item.media)
-            uuids.setdefault(kind, []).append(item.uuid)
-        prompt = {
-            "prompt": "".join(_PROMPTS[item.layout.modality] for item in items),
-            "multi_modal_data": data,
-            "multi_modal_uuids": uuids,
-            # The pixels are the project's, already resized to the patch grid: vLLM's processor
-            # would size them again with its own pixel bounds (a different grid for a video, and
-            # for any item with the request's processor options).
-            "mm_processor_kwargs": {"do_resize": False},
-        }
         engine = self.supervisor.engine()
+        prompt = self._rendered(engine.llm, items) if rendered else self._for_processor(items)
         stream = engine.llm.generate(prompt, params, f"{request_id}-{items[0].uuid[-8:]}")
         try:
             while True:
@@ -301,6 +301,34 @@ class VllmEncoder(EncoderBackend):
             raise
         except Exception as exc:
             raise runtime.engine_error(exc) from exc
+
+    def _rendered(self, llm: Any, items: list[_Item]) -> Any:
+        """The images' request as vLLM's renderer would make it (encoder_inputs.py)."""
+        assert self._image_tokens is not None, "set once the engine started"
+        images = [
+            RenderedImage(item.media, item.layout.image, item.layout.placeholder_token_count, item.uuid)
+            for item in items
+            if item.layout.image is not None
+        ]
+        return rendered_images(llm.renderer.get_mm_processor(), self._image_tokens, images)
+
+    def _for_processor(self, items: list[_Item]) -> dict[str, Any]:
+        """The items' request as vLLM's input processing takes it (a call with a video)."""
+        data: dict[str, list[Any]] = {}
+        uuids: dict[str, list[str]] = {}
+        for item in items:
+            kind = item.layout.modality.value
+            data.setdefault(kind, []).append(item.media)
+            uuids.setdefault(kind, []).append(item.uuid)
+        return {
+            "prompt": "".join(_PROMPTS[item.layout.modality] for item in items),
+            "multi_modal_data": data,
+            "multi_modal_uuids": uuids,
+            # The pixels are the project's, already resized to the patch grid: vLLM's processor
+            # would size them again with its own pixel bounds (a different grid for a video, and
+            # for any item with the request's processor options).
+            "mm_processor_kwargs": {"do_resize": False},
+        }
 
     def _check_written(self, position: int, item: _Item) -> None:
         """The worker left the item's mark, or its report of why not (raised as its status)."""
@@ -356,6 +384,9 @@ async def start(settings: EncoderBackendSettings) -> VllmEncoder:
     started = time.monotonic()
     await asyncio.to_thread(runtime.import_vllm, settings)
     await start_or_exit(backend.supervisor, backend.close)
-    backend._dtype = getattr(torch, runtime.engine_dtype(backend.supervisor.current()))
+    llm = backend.supervisor.current()
+    backend._dtype = getattr(torch, runtime.engine_dtype(llm))
+    backend._tower_normalizes = bool(llm.vllm_config.model_config.multimodal_config.mm_device_do_normalize)
+    backend._image_tokens = ImageTokens.of(llm.renderer.get_tokenizer())
     _log.info("vLLM encoder started", seconds=round(time.monotonic() - started, 1))
     return backend

@@ -89,11 +89,17 @@ class QwenVisionPreprocessor:
         patch = self.image_settings.patch_size
         return ImageLayout(grid_t=1, grid_h=resized.shape[2] // patch, grid_w=resized.shape[3] // patch)
 
-    def image(self, data: bytes, options: ProcessorOptions, limits: MediaLimits) -> tuple[torch.Tensor, ImageLayout]:
+    def image_patches(self, resized: torch.Tensor, *, normalized: bool = True) -> torch.Tensor:
+        """A `resized_image`'s tower input rows: normalized float32, or with `normalized=False` the
+        uint8 pixels in the same order (for a tower that normalizes them itself, as vLLM's does with
+        `mm_device_do_normalize`)."""
         s = self.image_settings
-        pixels = normalize(self.resized_image(data, options, limits), s.mean, s.std)
-        flat, grid_t, grid_h, grid_w = patchify(pixels, s.patch_size, s.merge_size, s.temporal_patch_size)
-        return flat, ImageLayout(grid_t=grid_t, grid_h=grid_h, grid_w=grid_w)
+        pixels = normalize(resized, s.mean, s.std) if normalized else resized
+        return patchify(pixels, s.patch_size, s.merge_size, s.temporal_patch_size)[0]
+
+    def image(self, data: bytes, options: ProcessorOptions, limits: MediaLimits) -> tuple[torch.Tensor, ImageLayout]:
+        resized = self.resized_image(data, options, limits)
+        return self.image_patches(resized), self.image_grid(resized)
 
     def video_settings_for(self, options: ProcessorOptions, limits: MediaLimits) -> tuple[VideoSettings, float, int]:
         """Settings with the request's pixel bounds, the sampling fps and max_frames."""

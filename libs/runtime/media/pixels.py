@@ -52,10 +52,11 @@ def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float])
 
 
 def patchify(frames: torch.Tensor, patch: int, merge: int, temporal_patch: int) -> tuple[torch.Tensor, int, int, int]:
-    """[T, C, H, W] float frames -> ([grid_t * grid_h * grid_w, C * tp * p * p], grid_t, grid_h, grid_w),
-    rows in the order the Qwen vision towers read them. T is padded to a multiple of the temporal
-    patch by repeating the last frame (the video processors' `patchify`; an image is one frame
-    repeated, which equals the image processor's `expand` over the temporal axis)."""
+    """[T, C, H, W] frames (normalized floats, or uint8 for a tower that normalizes them) ->
+    ([grid_t * grid_h * grid_w, C * tp * p * p], grid_t, grid_h, grid_w), rows in the order the Qwen
+    vision towers read them. T is padded to a multiple of the temporal patch by repeating the last
+    frame (the video processors' `patchify`; an image is one frame repeated, which equals the image
+    processor's `expand` over the temporal axis)."""
     if pad := -frames.shape[0] % temporal_patch:
         frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)], dim=0)
     t, c, h, w = frames.shape
