@@ -49,7 +49,14 @@ from libs.backends.in_flight import InFlight
 from libs.backends.settings import EncoderBackendSettings
 from libs.backends.vllm import runtime
 from libs.backends.vllm.ec_producer import failure_file, written_mark
-from libs.backends.vllm.encoder_inputs import ImageTokens, RenderedImage, rendered_images
+from libs.backends.vllm.encoder_inputs import (
+    IMAGE_PAD,
+    VISION_END,
+    VISION_START,
+    ImageTokens,
+    RenderedImage,
+    rendered_images,
+)
 from libs.backends.vllm.shared_pool import SlotDescriptor
 from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or_exit
 from libs.contract.epd.v1 import encoder_pb2, layout_pb2, tensor_pb2
@@ -79,8 +86,8 @@ QUARANTINE_S = 30.0
 
 # One item's prompt per modality: vLLM expands the placeholder to the item's rows from the media.
 _PROMPTS = {
-    eng.Modality.IMAGE: "<|vision_start|><|image_pad|><|vision_end|>",
-    eng.Modality.VIDEO: "<|vision_start|><|video_pad|><|vision_end|>",
+    eng.Modality.IMAGE: VISION_START + IMAGE_PAD + VISION_END,
+    eng.Modality.VIDEO: VISION_START + "<|video_pad|>" + VISION_END,
 }
 
 
