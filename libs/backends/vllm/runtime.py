@@ -214,8 +214,8 @@ def engine_args(
         # the project's producer connector. No prefix caching: every item is encoded (and written).
         args["mm_encoder_only"] = True
         args["enable_prefix_caching"] = False
-        # Every item's uuid is unique (encoder.py), so vLLM's processor cache never hits: off, it
-        # keeps no copy of every item's pixels in the engine's process (4 GiB of them by default).
+        # Every item's uuid is unique (encoder.py), so vLLM's processor cache never hits: off, the
+        # engine's process keeps no copy of every item's pixels (up to 4 GiB by default).
         args["mm_processor_cache_gb"] = 0
         if isinstance(settings, EncoderBackendSettings):
             # One Encode call is one vLLM request here (all its items): the calls one tower step
