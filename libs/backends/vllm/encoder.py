@@ -312,11 +312,10 @@ class VllmEncoder(EncoderBackend):
     def _rendered(self, llm: Any, items: list[_Item]) -> Any:
         """The images' request as vLLM's renderer would make it (encoder_inputs.py)."""
         assert self._image_tokens is not None, "set once the engine started"
-        images = [
-            RenderedImage(item.media, item.layout.image, item.layout.placeholder_token_count, item.uuid)
-            for item in items
-            if item.layout.image is not None
-        ]
+        images = []
+        for item in items:
+            assert item.layout.image is not None, "a rendered call holds images only"
+            images.append(RenderedImage(item.media, item.layout.image, item.layout.placeholder_token_count, item.uuid))
         return rendered_images(llm.renderer.get_mm_processor(), self._image_tokens, images)
 
     def _for_processor(self, items: list[_Item]) -> dict[str, Any]:
