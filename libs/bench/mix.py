@@ -96,7 +96,7 @@ class MediaFactory:
         self._made: dict[tuple[str, int], bytes] = {}
 
     def make(self, kind: str, seed: int) -> media_pb2.MediaItem:
-        from libs.runtime.media import synthetic  # PyAV, Pillow: only when media are built
+        from libs.model.media import synthetic  # PyAV, Pillow: only when media are built
 
         key = (kind, seed)
         if key not in self._made:

@@ -25,7 +25,7 @@ from libs.cache.flight import SingleFlight
 from libs.cache.keys import CacheKey, Namespace
 from libs.cache.local import LocalLru, LruStats
 from libs.cache.store import StoreClient, StoreStatus
-from libs.runtime.types import EmbeddingSpec, Modality
+from libs.model.types import EmbeddingSpec, Modality
 from libs.telemetry.stages import stage
 
 log = logging.getLogger(__name__)

@@ -26,8 +26,8 @@ import torch
 from zlib_ng.zlib_ng import crc32  # zlib's CRC-32, SIMD: ~10x zlib's speed here
 
 from libs.cache.keys import ENTRY_FORMAT_VERSION, CacheKey, Namespace
-from libs.runtime.dtypes import DTYPE_BY_NAME, NAME_BY_DTYPE, dtype_name
-from libs.runtime.types import AudioLayout, EmbeddingSpec, EncodedItem, ImageLayout, ItemLayout, Modality, VideoLayout
+from libs.model.dtypes import DTYPE_BY_NAME, NAME_BY_DTYPE, dtype_name
+from libs.model.types import AudioLayout, EmbeddingSpec, EncodedItem, ImageLayout, ItemLayout, Modality, VideoLayout
 
 MAGIC = b"EPDC"
 _PREFIX = struct.Struct("<4sHHIQI")

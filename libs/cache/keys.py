@@ -1,7 +1,7 @@
 """Cache keys: what an encoder output is a function of.
 
-An entry is identified by the item's content hash (modality + processor options + bytes, the same
-digest as the engine's `media_hash`) inside a namespace that pins everything else the output depends
+An entry is identified by the item's content hash (modality + processor options + bytes, `libs.model.content`,
+the engines' digest too) inside a namespace that pins everything else the output depends
 on: the model (id, revision, encoder weights digest), the dtype, the contract major.minor and the
 preprocessing (the encoder's `preprocessing_digest`: its algorithm version, the checkpoint's
 processor config files and the transformers version whose helpers it calls).
@@ -12,14 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Literal
 
 from libs.contract.epd.v1 import media_pb2
 from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
-from libs.runtime.types import Modality, ProcessorOptions  # torch-free: the router hashes items
+from libs.model import content
+from libs.model.types import Modality, ProcessorOptions
 
 # Capability of encoders that honor `EncodeRequest.cache_policy` = CACHE_POLICY_CACHED_ONLY (1.2).
 CACHED_ONLY = "encoder.cached_only"
@@ -66,32 +66,15 @@ OptionField = Literal["min_pixels", "max_pixels", "video_fps", "video_max_frames
 OPTION_FIELDS: tuple[OptionField, ...] = ("min_pixels", "max_pixels", "video_fps", "video_max_frames")
 
 
-def _options_json(options: Mapping[str, object]) -> bytes:
-    return json.dumps(dict(options), sort_keys=True).encode()
-
-
-def _digest(modality: str, options: Mapping[str, object], data: bytes) -> str:
-    digest = hashlib.sha256()
-    digest.update(modality.encode())
-    digest.update(_options_json(options))
-    digest.update(data)
-    return digest.hexdigest()
-
-
-def content_hash(modality: Modality, options: ProcessorOptions, data: bytes) -> str:
-    """Hex SHA-256 of modality, processor options and bytes: equal to `encoder_runner.media_hash`."""
-    return _digest(modality.value, options.as_dict(), data)
-
-
 def wire_content_hash(item: media_pb2.MediaItem, data: bytes) -> str:
-    """`content_hash` of a wire media item whose source resolved to `data` (what the router computes
-    to find an item in the store before any encoder sees it)."""
+    """The content hash (`libs.model.content`) of a wire media item whose source resolved to `data`
+    (what the router computes to find an item in the store before any encoder sees it)."""
     opts = item.processor_options
     options: dict[str, object] = {name: getattr(opts, name) if opts.HasField(name) else None for name in OPTION_FIELDS}
     if opts.audio_window_start_frame:  # contract 1.4: a later window of a long clip is its own item,
         options["audio_window_start_frame"] = opts.audio_window_start_frame  # as the engine hashes it
     modality = media_pb2.Modality.Name(item.modality).removeprefix("MODALITY_").lower()
-    return _digest(modality, options, data)
+    return content.digest(modality, options, data)
 
 
 def client_id_hash(modality: Modality, options: ProcessorOptions, client_id: str) -> str:
@@ -105,7 +88,7 @@ def client_id_hash(modality: Modality, options: ProcessorOptions, client_id: str
         raise ValueError("client_id must be non-empty")
     digest = hashlib.sha256(b"epd.client-id\0")
     digest.update(modality.value.encode() + b"\0")
-    digest.update(_options_json(options.as_dict()) + b"\0")
+    digest.update(content.options_json(options.as_dict()) + b"\0")
     digest.update(client_id.encode())
     return digest.hexdigest()
 

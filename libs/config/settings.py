@@ -56,7 +56,6 @@ class CommonSettings:
     tls_ca: Path | None = setting(None, "cluster CA (PEM); with --tls-cert and --tls-key, every connection is TLS")
     tls_cert: Path | None = setting(None, "this process's certificate chain (PEM), CN epd-<role>")
     tls_key: Path | None = setting(None, "this process's private key (PEM)")
-    event_loop: Literal["asyncio", "uvloop"] = setting("asyncio", "event loop: asyncio's own or uvloop")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,14 +115,6 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    if kind == "uvloop":
-        import uvloop
-
-        return uvloop.new_event_loop
-    return None
-
-
 def service_main(name: str, settings_cls: type[S], setup: Callable[[S], Awaitable[ServiceParts]]) -> None:
     """Entry point of `python -m services.<name>`."""
     settings = main_settings(settings_cls, prog=f"epd-{name}")
@@ -142,8 +134,7 @@ def service_main(name: str, settings_cls: type[S], setup: Callable[[S], Awaitabl
         await serve(name, settings, parts, float(getattr(settings, "grace_s", 10.0)))
 
     try:
-        with asyncio.Runner(loop_factory=_loop_factory(settings.event_loop)) as runner:
-            runner.run(run())
+        asyncio.run(run())
     finally:
         tracing.shutdown()
         log.info("exited")

@@ -216,7 +216,6 @@ class EpdServer:
             services=self._service_names,
             tls=tls is not None,
             client_tokens=len(self.options.tokens),
-            event_loop=type(asyncio.get_running_loop()).__module__.partition(".")[0],  # asyncio or uvloop
         )
         return self.port
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from libs.runtime.errors import CapacityError, InvalidRequestError
+from libs.model.errors import CapacityError, InvalidRequestError
+from libs.model.types import DecodeState, KvCache, SamplingParams, TokenChunk
 from libs.runtime.kv import (
     Cache,
     build_cache,
@@ -21,7 +22,6 @@ from libs.runtime.kv import (
 )
 from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.runtime.sequence import Sequence
-from libs.runtime.types import DecodeState, KvCache, SamplingParams, TokenChunk
 
 
 @dataclass

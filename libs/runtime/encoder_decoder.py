@@ -7,29 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from libs.runtime.errors import EmbeddingMismatchError, InvalidRequestError
+from libs.model.errors import EmbeddingMismatchError
+from libs.model.prompt import speech_item
+from libs.model.types import ChatMessage, DecodeState, EncodedItem, PrefillResult, SamplingParams
 from libs.runtime.kv import export_kv
 from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.runtime.sequence import Sequence
-from libs.runtime.types import ChatMessage, DecodeState, EncodedItem, EncodedPart, PrefillResult, SamplingParams
-
-
-def speech_item(family: str, messages: list[ChatMessage]) -> tuple[str, EncodedItem]:
-    """The conversation's one item and its field path; text parts are refused (no text prompt)."""
-    if not messages:
-        raise InvalidRequestError("at least one message is required", field="messages")
-    items: list[tuple[str, EncodedItem]] = []
-    for i, message in enumerate(messages):
-        for j, part in enumerate(message.parts):
-            field = f"messages[{i}].parts[{j}]"
-            if isinstance(part, EncodedPart):
-                part.item.layout.check()
-                items.append((field, part.item))
-            elif part.text:
-                raise InvalidRequestError(f"{family} takes no text prompt", field=f"{field}.text")
-    if len(items) != 1:
-        raise InvalidRequestError(f"{family} takes exactly one audio item, got {len(items)}", field="messages")
-    return items[0]
 
 
 def encoder_states(runtime: LanguageModelRuntime, messages: list[ChatMessage]) -> EncodedItem:

@@ -4,7 +4,6 @@ batch of calls: `encode_calls`)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -12,13 +11,14 @@ from pathlib import Path
 
 import torch
 
-from libs.runtime.checkpoint import Checkpoint, load_into
-from libs.runtime.dtypes import dtype_name
-from libs.runtime.errors import EmbeddingMismatchError, UnsupportedModalityError
-from libs.runtime.families import adapter_for
-from libs.runtime.families.base import PreparedItem
-from libs.runtime.media.limits import MediaLimits
-from libs.runtime.types import EmbeddingSpec, EncodedItem, ExtraTensorSpec, MediaInput, Modality
+from libs.model.checkpoint import Checkpoint, load_into
+from libs.model.content import media_hash
+from libs.model.dtypes import dtype_name
+from libs.model.errors import EmbeddingMismatchError, UnsupportedModalityError
+from libs.model.families import adapter_for
+from libs.model.families.base import PreparedItem
+from libs.model.media.limits import MediaLimits
+from libs.model.types import EmbeddingSpec, EncodedItem, ExtraTensorSpec, MediaInput, Modality
 
 # Bump when the project's preprocessing changes what an item turns into (cached outputs of the old
 # code must not be served): 2 = transformers-processor parity (docs/runtime.md, "Preprocessing").
@@ -37,18 +37,6 @@ def preprocessing_digest(checkpoint: Checkpoint) -> str:
     for name in PROCESSOR_FILES:
         file = checkpoint.path / name
         digest.update(name.encode() + b"\0" + (file.read_bytes() if file.is_file() else b"-") + b"\0")
-    return digest.hexdigest()
-
-
-def media_hash(media: MediaInput) -> str:
-    """Hex SHA-256 of the modality, the processor options and the bytes (the encoder-cache key)."""
-    digest = hashlib.sha256()
-    digest.update(media.modality.value.encode())
-    options = media.options.as_dict()
-    if media.audio_window_start_frame:  # a later window of a long clip (Whisper): its own item
-        options["audio_window_start_frame"] = media.audio_window_start_frame
-    digest.update(json.dumps(options, sort_keys=True).encode())
-    digest.update(media.data)
     return digest.hexdigest()
 
 

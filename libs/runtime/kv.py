@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
-from libs.runtime.errors import KvMismatchError
+from libs.model.errors import KvMismatchError
+from libs.model.types import KvCache
 from libs.runtime.lm_runtime import LanguageModelRuntime
-from libs.runtime.types import KvCache
 
 Cache = DynamicCache | EncoderDecoderCache
 

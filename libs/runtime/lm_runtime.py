@@ -9,11 +9,11 @@ import torch
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from libs.runtime.checkpoint import Checkpoint, load_into
-from libs.runtime.dtypes import dtype_name
-from libs.runtime.errors import InvalidRequestError
-from libs.runtime.families import adapter_for
-from libs.runtime.types import EmbeddingSpec, ExtraTensorSpec, KvCacheLayout
+from libs.model.checkpoint import Checkpoint, load_into
+from libs.model.dtypes import dtype_name
+from libs.model.errors import InvalidRequestError
+from libs.model.families import adapter_for
+from libs.model.types import EmbeddingSpec, ExtraTensorSpec, KvCacheLayout
 
 
 class LanguageModelRuntime:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from libs.model.errors import EmbeddingMismatchError
+from libs.model.prompt import Prompt, build_prompt
+from libs.model.types import ChatMessage, DecodeState, EncodedItem, PrefillResult, SamplingParams
 from libs.runtime.encoder_decoder import EncoderDecoderPrefill
-from libs.runtime.errors import EmbeddingMismatchError
 from libs.runtime.kv import export_kv
 from libs.runtime.lm_runtime import LanguageModelRuntime
-from libs.runtime.prompt import Prompt, build_prompt
 from libs.runtime.sequence import Sequence
-from libs.runtime.types import ChatMessage, DecodeState, EncodedItem, PrefillResult, SamplingParams
 
 # Tokens per chunk when a service runs a prefill in chunks (services: --prefill-chunk-tokens): a text
 # request waits at most one chunk in progress, ~0.13 s on one core of the ~100M checkpoint (256 tokens:

@@ -12,8 +12,8 @@ from collections.abc import Collection, Iterable
 
 import torch
 
-from libs.runtime.errors import InvalidRequestError
-from libs.runtime.types import SamplingParams
+from libs.model.errors import InvalidRequestError
+from libs.model.types import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

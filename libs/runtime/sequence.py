@@ -6,7 +6,8 @@ from collections.abc import Sequence as Ids
 
 import torch
 
-from libs.runtime.errors import InvalidRequestError
+from libs.model.errors import InvalidRequestError
+from libs.model.types import FinishReason, SamplingParams, TokenChunk, TokenLogprob, TokenLogprobs
 from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.runtime.sampling import (
     apply_penalties,
@@ -18,7 +19,6 @@ from libs.runtime.sampling import (
     uses_penalties,
 )
 from libs.runtime.stopping import TextStream, token_text
-from libs.runtime.types import FinishReason, SamplingParams, TokenChunk, TokenLogprob, TokenLogprobs
 
 
 class Sequence:

@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 import structlog
 
+from libs.model.types import DecodeState, KvCache, SamplingParams, TokenChunk
 from libs.runtime.decode_runner import DecodeRunner
-from libs.runtime.types import DecodeState, KvCache, SamplingParams, TokenChunk
 
 T = TypeVar("T")
 _log = structlog.get_logger(__name__)

@@ -16,8 +16,8 @@ from libs.contract.epd.v1 import (
     service_info_pb2,
     tensor_pb2,
 )
-from libs.runtime import types as eng
-from libs.runtime.errors import EngineError, ErrorKind
+from libs.model import types as eng
+from libs.model.errors import EngineError, ErrorKind
 
 MODALITY_TO_ENGINE = {
     media_pb2.MODALITY_IMAGE: eng.Modality.IMAGE,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from libs.contract.epd.v1 import chat_pb2
 from libs.contract.errors import DeadlineExceeded
 from libs.contract.reasons import Reason
-from libs.runtime import types as eng
+from libs.model import types as eng
 from libs.serving import convert
 from libs.serving.transport import Transport, transport_name
 from libs.telemetry.stages import record_transfer, stage

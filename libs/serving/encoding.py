@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from libs.runtime import types as eng
+from libs.model import types as eng
 from libs.runtime.encoder_runner import EncoderRunner
 from libs.serving.compute_thread import ComputeThread
 from libs.serving.convert import engine_errors

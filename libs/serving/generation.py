@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from opentelemetry import trace
 
 from libs.contract.epd.v1 import chat_pb2, generation_pb2
-from libs.runtime import types as eng
+from libs.model import types as eng
 from libs.runtime.prefill_runner import PrefillRunner, PrefillTask
 from libs.serving.compute_thread import ComputeThread, DecodeLoop, StepStats
 from libs.serving.convert import chunk_to_wire, engine_errors, messages_to_engine

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from libs.contract.epd.v1 import encoder_pb2, media_pb2
 from libs.contract.errors import InvalidArgument
-from libs.runtime import types as eng
+from libs.model import types as eng
 from libs.serving.convert import media_input
 
 

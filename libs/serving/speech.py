@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from libs.contract.epd.v1 import service_info_pb2
-from libs.runtime.families.base import FamilyAdapter
-from libs.runtime.families.whisper import WhisperAdapter
+from libs.model.families.base import FamilyAdapter
+from libs.model.families.whisper import WhisperAdapter
 
 # Encoder, prefill and decode services of a Whisper checkpoint: they take window starts,
 # cross-attention items and caches, and the timestamps flag.

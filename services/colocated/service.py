@@ -9,10 +9,10 @@ from typing import Any
 
 from libs.backends import registry
 from libs.backends.api import ColocatedBackend
+from libs.backends.hosting.parts import backend_info, backend_parts
 from libs.backends.settings import ColocatedBackendSettings
 from libs.config import ClientAuthSettings
 from libs.contract.epd.v1 import generate_pb2, generate_pb2_grpc, service_info_pb2
-from libs.hosting.parts import backend_info, backend_parts
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, client_facing, service_main
 from services.colocated.core import ColocatedCore

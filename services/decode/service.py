@@ -9,10 +9,10 @@ from typing import Any
 
 from libs.backends import registry
 from libs.backends.api import DecodeBackend
+from libs.backends.hosting.parts import backend_info, backend_parts
 from libs.backends.settings import EngineSettings
 from libs.config import setting
 from libs.contract.epd.v1 import decode_pb2, decode_pb2_grpc, service_info_pb2
-from libs.hosting.parts import backend_info, backend_parts
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
 from services.decode.core import DecodeCore

@@ -8,10 +8,10 @@ from typing import Any
 
 from libs.backends import registry
 from libs.backends.api import EncoderBackend
+from libs.backends.hosting.parts import backend_info, backend_parts
 from libs.backends.settings import EncoderBackendSettings
 from libs.config import setting
 from libs.contract.epd.v1 import encoder_pb2, encoder_pb2_grpc, service_info_pb2
-from libs.hosting.parts import backend_info, backend_parts
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
 from services.encoder.core import EncoderCore

@@ -9,9 +9,9 @@ from typing import Any
 
 from libs.backends import registry
 from libs.backends.api import PrefillDecodeBackend
+from libs.backends.hosting.parts import backend_info, backend_parts
 from libs.backends.settings import PrefillDecodeEngineSettings
 from libs.contract.epd.v1 import prefill_decode_pb2, prefill_decode_pb2_grpc, service_info_pb2
-from libs.hosting.parts import backend_info, backend_parts
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.main import ServiceParts, service_main
 from services.pd.core import PrefillDecodeCore

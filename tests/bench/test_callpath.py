@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from libs.bench.callpath import Edge, Scope, label_processes, merge, report, summarize, table, top_files
-from libs.bench.callpath_probe import ROOT, Recorder, project_file
+from tests.benchmarks.callpath import Edge, Scope, label_processes, merge, report, summarize, table, top_files
+from tests.benchmarks.callpath_probe import ROOT, Recorder, project_file
 
 pytestmark = pytest.mark.unit
 
@@ -21,7 +21,7 @@ ROUTER = "services/router/core.py"
 RPC = "libs/rpc/peers.py"
 SERVING = "libs/serving/convert.py"
 FAMILY = "libs/engine/families/qwen2_5_omni.py"
-NEW_FAMILY = "libs/runtime/families/qwen2_5_omni.py"
+NEW_FAMILY = "libs/model/families/qwen2_5_omni.py"
 TELEMETRY = "libs/telemetry/stages.py"
 
 
@@ -126,7 +126,7 @@ def test_project_file_is_under_libs_or_services_and_not_generated() -> None:
     assert project_file(str(ROOT / "libs/contract/epd/v1/generate_pb2.py")) == ""
     assert project_file(str(ROOT / "libs/contract/epd/v1/generate_pb2_grpc.py")) == ""
     assert project_file(str(ROOT / "tests/support/stacks.py")) == ""
-    assert project_file(str(ROOT / "libs/bench/callpath_probe.py")) == ""  # the tool itself
+    assert project_file(str(ROOT / "tests/benchmarks/callpath_probe.py")) == ""  # the tool itself
     assert project_file(os.__file__) == ""
     assert project_file("<frozen importlib._bootstrap>") == ""
 

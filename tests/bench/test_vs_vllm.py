@@ -1,5 +1,5 @@
-"""`make bench-vs-vllm`'s pure parts (libs/bench/vs_vllm.py, libs/bench/vllm_proxy.py): the ratio
-maths, the run schedule, bench serve's arguments, and the requests the proxy sends each stage;
+"""`make bench-vs-vllm`'s pure parts (tests/benchmarks/peers/vs_vllm.py and vllm_proxy.py): the
+ratio maths, the run schedule, bench serve's arguments, and the requests the proxy sends each stage;
 plus the proxy relaying in-process against fake stages, and a smoke run marked bench."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from libs.bench import vllm_proxy, vs_vllm
+from tests.benchmarks.peers import vllm_proxy, vs_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,7 @@
 
 `make bench-vs-vllm` sees some of vLLM's documented deployments answer in one burst (TPOT ~0,
 TTFT = the whole answer). This tells where the burst comes from: it deploys one configuration as
-the benchmark does (libs/bench/vs_vllm.py), warms it up, then sends serial streamed chat requests
+the benchmark does (tests/benchmarks/peers/vs_vllm.py), warms it up, then sends serial streamed chat requests
 (one random 224x224 JPEG + text, 16 tokens, `ignore_eos`) through its front (EPD's door, or the
 proxy of vLLM's split servers) and, for vLLM's deployments, the same request again straight to its
 PD (or decode) server, with no proxy between. Per answer: TTFT, the span from the first content
@@ -29,8 +29,8 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from libs.bench import vs_vllm  # noqa: E402
-from libs.runtime.checkpoints import ensure_checkpoint  # noqa: E402
+from libs.model.checkpoints import ensure_checkpoint  # noqa: E402
+from tests.benchmarks.peers import vs_vllm  # noqa: E402
 
 FAMILY = "qwen2_5_vl"  # the benchmark's checkpoint (tests/benchmarks/bench_vs_vllm.py)
 BURST_SPAN_MS = 1.0  # a whole answer whose content chunks arrived within this came in one burst

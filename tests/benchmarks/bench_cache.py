@@ -30,8 +30,8 @@ from libs.contract.epd.v1 import generate_pb2, media_pb2, sampling_pb2  # noqa: 
 from libs.launch.process import free_port  # noqa: E402
 from libs.launch.stack import Stack, StackSpec  # noqa: E402
 from libs.launch.store import start_store  # noqa: E402
-from libs.runtime.checkpoints import ensure_checkpoint  # noqa: E402
-from libs.runtime.media import synthetic  # noqa: E402
+from libs.model.checkpoints import ensure_checkpoint  # noqa: E402
+from libs.model.media import synthetic  # noqa: E402
 
 
 def _requests(n: int, k: int) -> list[generate_pb2.GenerateRequest]:

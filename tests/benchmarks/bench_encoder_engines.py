@@ -35,9 +35,9 @@ from libs.contract.epd.v1 import (  # noqa: E402
     tensor_pb2,
 )
 from libs.launch.process import ServiceProcess  # noqa: E402
+from libs.model.checkpoints import ensure_checkpoint  # noqa: E402
+from libs.model.media import synthetic  # noqa: E402
 from libs.rpc.server import open_channel  # noqa: E402
-from libs.runtime.checkpoints import ensure_checkpoint  # noqa: E402
-from libs.runtime.media import synthetic  # noqa: E402
 
 ENGINES = ("reference", "vllm")
 CONCURRENCY = (1, 4, 16)

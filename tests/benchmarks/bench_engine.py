@@ -20,13 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from libs.runtime.checkpoints import FAMILIES, ensure_checkpoint
+from libs.model.checkpoints import FAMILIES, ensure_checkpoint
+from libs.model.media import synthetic
+from libs.model.types import ChatMessage, ChatRole, MediaInput, Modality, SamplingParams, TextPart
 from libs.runtime.decode_runner import DecodeRunner
 from libs.runtime.encoder_runner import EncoderRunner
 from libs.runtime.lm_runtime import LanguageModelRuntime
-from libs.runtime.media import synthetic
 from libs.runtime.prefill_runner import PrefillRunner
-from libs.runtime.types import ChatMessage, ChatRole, MediaInput, Modality, SamplingParams, TextPart
 
 
 def measure(fn: Callable[[], Any], repeat: int) -> tuple[float, float]:

@@ -1,5 +1,5 @@
 """CPU per image from JPEG bytes to what each encoder hands on, decoded pixels kept channels last (as
-`libs/runtime/media/pixels.py` does) against a channels-first copy first (the processors' own
+`libs/model/media/pixels.py` does) against a channels-first copy first (the processors' own
 layout, this project's until 2026-12-07), interleaved in one run: the reference encoder's tower
 rows (normalized patches) and the vLLM encoder's [H, W, 3] uint8 resized pixels.
 
@@ -22,9 +22,9 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from libs.runtime.media import pixels
-from libs.runtime.media.image import decode_image
-from libs.runtime.media.limits import MediaLimits
+from libs.model.media import pixels
+from libs.model.media.image import decode_image
+from libs.model.media.limits import MediaLimits
 
 MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 

@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 from libs.client.generate import build_request, generate, open_channel  # noqa: E402
 from libs.contract.epd.v1 import media_pb2, sampling_pb2  # noqa: E402
 from libs.launch.stack import Stack, StackSpec  # noqa: E402
-from libs.runtime.checkpoints import ensure_checkpoint  # noqa: E402
-from libs.runtime.media import synthetic  # noqa: E402
+from libs.model.checkpoints import ensure_checkpoint  # noqa: E402
+from libs.model.media import synthetic  # noqa: E402
 
 PROMPT = "Describe this."
 

@@ -1,6 +1,6 @@
 """Benchmark (not a test; `make bench-vs-vllm`): EPD on vLLM behind the OpenAI door against vLLM's
 own E+PD, P/D split and unsplit `vllm serve`, measured by vLLM's own `vllm bench serve`
-(libs/bench/vs_vllm.py says what each configuration is).
+(tests/benchmarks/peers/vs_vllm.py says what each configuration is).
 
 Each configuration runs alone: started, warmed up (a few requests of another seed), every point
 measured (dataset x concurrency), stopped by PID; repeats interleaved (A B C A B C ...). Output: a
@@ -28,8 +28,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from libs.bench import vs_vllm  # noqa: E402
-from libs.runtime.checkpoints import ensure_checkpoint  # noqa: E402
+from libs.model.checkpoints import ensure_checkpoint  # noqa: E402
+from tests.benchmarks.peers import vs_vllm  # noqa: E402
 
 # The tiny Qwen2.5-VL checkpoint, as `make bench-vllm`: vLLM serves it with its own vision tower and
 # with ECExampleConnector (the tiny Omni one's image embeddings crash vLLM's worker, /work/shared/vllm.md).

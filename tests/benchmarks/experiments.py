@@ -561,8 +561,8 @@ def plan_check(p7_result: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 
 def p4(model: Path, run_dir: Path, duration_s: float, clients: int) -> dict[str, Any]:
     print(f"P4 metadata-only vs raw media forwarded to prefill: {clients} clients, {duration_s:.0f} s per point")
-    # The baseline's router and prefill run through the bench-only wrapper (libs/bench/raw_media.py).
-    forward = {side: ["libs.bench.raw_media", f"--{side}"] for side in ("router", "prefill")}
+    # The baseline's router and prefill run through the bench-only wrapper (tests/benchmarks/raw_media.py).
+    forward = {side: ["tests.benchmarks.raw_media", f"--{side}"] for side in ("router", "prefill")}
     stacks = [
         h.make_stack("p4-metadata", "e/p/d", model, run_dir, cpus="split"),
         h.make_stack("p4-raw-media", "e/p/d", model, run_dir, cpus="split", run_through=forward),
@@ -690,7 +690,7 @@ def main() -> None:
     chosen = set(ns.experiments)
     if "all" in chosen:
         chosen = {"p3", "p8", "p7", "p7v", "p4", "p5"}
-    from libs.runtime.checkpoints import ensure_checkpoint
+    from libs.model.checkpoints import ensure_checkpoint
 
     OUT = ns.out
     model = ensure_checkpoint("qwen2_5_omni", ns.size)

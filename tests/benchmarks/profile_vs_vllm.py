@@ -1,6 +1,6 @@
 """Profile (not a test): where the CPU of one `make bench-vs-vllm` configuration goes under load.
 
-Deploys the configuration as the benchmark does (libs/bench/vs_vllm.py), warms it up, then runs one
+Deploys the configuration as the benchmark does (tests/benchmarks/peers/vs_vllm.py), warms it up, then runs one
 `vllm bench serve` point while py-spy samples every process of the deployment (children too: vLLM's
 EngineCore) (50 Hz unless
 `--rate`). Writes, under OUT: one collapsed-stack file per process (`<pid>.txt`, py-spy's
@@ -29,8 +29,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from libs.bench import vs_vllm  # noqa: E402
-from libs.runtime.checkpoints import ensure_checkpoint  # noqa: E402
+from libs.model.checkpoints import ensure_checkpoint  # noqa: E402
+from tests.benchmarks.peers import vs_vllm  # noqa: E402
 
 FAMILY = "qwen2_5_vl"  # the benchmark's checkpoint (tests/benchmarks/bench_vs_vllm.py)
 

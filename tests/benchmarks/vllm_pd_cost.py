@@ -210,7 +210,7 @@ def main() -> None:
     if ns.variant:
         run_variant(ns.variant[0], ns.variant[1], ns.requests, ns.tokens)
         return
-    from libs.runtime.checkpoints import ensure_checkpoint
+    from libs.model.checkpoints import ensure_checkpoint
 
     model = str(ensure_checkpoint(ns.family, "tiny"))
     results = []

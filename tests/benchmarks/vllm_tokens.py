@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from libs.launch.stack import Stack, StackSpec  # noqa: E402
-from libs.runtime.checkpoints import ensure_checkpoint  # noqa: E402
+from libs.model.checkpoints import ensure_checkpoint  # noqa: E402
 from tests.support.vllm_stack import call, mixes, reference_tokens, request  # noqa: E402
 from tests.support.vllm_unsplit import unsplit_tokens  # noqa: E402
 

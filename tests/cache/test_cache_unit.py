@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from libs.cache.cache import CacheConfig, EncoderCache, Source
 from libs.cache.entry import CacheEntry, EntryError, encode
-from libs.runtime.types import Modality
+from libs.model.types import Modality
 from tests.support.cache import NS, SPECS, FakeStore, Metrics, make_entry
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]

@@ -11,7 +11,7 @@ import torch
 
 from libs.cache.entry import CacheEntry, EntryError, EntryFault, check_entry, decode, encode
 from libs.cache.keys import CacheKey
-from libs.runtime.types import Modality
+from libs.model.types import Modality
 from tests.support.cache import NS, SPECS, make_entry, specs_for
 
 pytestmark = pytest.mark.unit

@@ -4,17 +4,18 @@ import dataclasses
 
 import pytest
 
-from libs.cache.keys import OPTION_FIELDS, CacheKey, Namespace, client_id_hash, content_hash, wire_content_hash
+from libs.cache.keys import OPTION_FIELDS, CacheKey, Namespace, client_id_hash, wire_content_hash
 from libs.contract.epd.v1 import media_pb2
 from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
-from libs.runtime.types import MediaInput, Modality, ProcessorOptions
+from libs.model.content import content_hash
+from libs.model.types import MediaInput, Modality, ProcessorOptions
 from tests.support.cache import NS
 
 pytestmark = pytest.mark.unit
 
 
 def test_content_hash_is_the_engines_media_hash() -> None:
-    from libs.runtime.encoder_runner import media_hash
+    from libs.model.content import media_hash
 
     for modality in Modality:
         for options in (ProcessorOptions(), ProcessorOptions(max_pixels=256 * 28 * 28, video_fps=1.0)):
@@ -33,7 +34,7 @@ def test_options_hash_as_their_dataclass_dict_so_keys_stay_stable() -> None:
 def test_the_routers_wire_hash_is_the_encoders_hash() -> None:
     """The router hashes wire items to find them in the store; the encoder hashes engine inputs
     (`convert.media_input`). Equal for every modality, with and without each option."""
-    from libs.runtime.encoder_runner import media_hash
+    from libs.model.content import media_hash
     from libs.serving.convert import media_input
 
     assert set(OPTION_FIELDS) == {f.name for f in dataclasses.fields(ProcessorOptions)}

@@ -19,7 +19,7 @@ from libs.cache.cache import CacheConfig, EncoderCache, Source
 from libs.cache.entry import CacheEntry, decode, encode
 from libs.cache.store import MooncakeStoreClient, StoreConfig, StoreStatus
 from libs.launch.store import StoreProcesses
-from libs.runtime.types import Modality
+from libs.model.types import Modality
 from tests.support.cache import NS, SPECS, Metrics, make_entry
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

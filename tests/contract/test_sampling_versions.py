@@ -17,9 +17,9 @@ from libs.contract.epd.v1 import generate_pb2, generation_pb2, sampling_pb2, ser
 from libs.contract.errors import InvalidArgument
 from libs.contract.snapshots.v1_5.epd.v1 import generate_pb2 as generate_v1_5
 from libs.contract.snapshots.v1_5.epd.v1 import generation_pb2 as generation_v1_5
-from libs.runtime.types import SamplingParams
+from libs.model.types import SamplingParams
 from libs.serving.convert import sampling_to_engine
-from services.router.backends import Backends
+from services.router.stubs import StageStubs
 from tests.support.router_checks import PassingChecks
 
 pytestmark = pytest.mark.unit
@@ -60,7 +60,7 @@ def test_a_1_5_stage_does_not_advertise_the_fields_so_the_router_refuses_them() 
     checks = PassingChecks()
     infos = {"old:1": info_1_5, "new:1": service_info_pb2.ServiceInfo(capabilities=[validation.SAMPLING_CAPABILITY])}
     checks.honoring = lambda address, capability: capability in infos[address].capabilities
-    backends = Backends(encoder=lambda a: None, lease=lambda a: None, checks=checks, prefill_decode=lambda a: None)
+    backends = StageStubs(encoder=lambda a: None, lease=lambda a: None, checks=checks, prefill_decode=lambda a: None)
     request = _request_1_6()
     backends.check_sampling("new:1", "decode", request.sampling)
     with pytest.raises(InvalidArgument) as caught:

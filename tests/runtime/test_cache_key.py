@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from libs.cache.keys import OPTION_FIELDS, Namespace, content_hash
-from libs.runtime.encoder_runner import EncoderRunner, media_hash
-from libs.runtime.types import MediaInput, Modality, ProcessorOptions
+from libs.cache.keys import OPTION_FIELDS, Namespace
+from libs.model.content import content_hash, media_hash
+from libs.model.types import MediaInput, Modality, ProcessorOptions
+from libs.runtime.encoder_runner import EncoderRunner
 from tests.support import media_set
 from tests.support.engines import Engines
 from tests.support.parity import project_item

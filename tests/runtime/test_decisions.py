@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from libs.runtime.prompt import build_prompt
-from libs.runtime.types import ChatMessage, ChatRole, EncodedPart, TextPart
+from libs.model.prompt import build_prompt
+from libs.model.types import ChatMessage, ChatRole, EncodedPart, TextPart
 from tests.support.engines import Engines
 from tests.support.mixes import Mix, mixes
 from tests.support.reference import reference_inputs

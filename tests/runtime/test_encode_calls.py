@@ -10,10 +10,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from libs.runtime import types as eng
+from libs.model import types as eng
+from libs.model.errors import InvalidMediaError, UnsupportedModalityError
+from libs.model.media import synthetic
 from libs.runtime.encoder_runner import fewest_exact_rows
-from libs.runtime.errors import InvalidMediaError, UnsupportedModalityError
-from libs.runtime.media import synthetic
 from tests.support.engines import FAMILIES, Engines
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -105,9 +105,9 @@ def test_a_layout_from_the_resized_pixels_is_the_preprocessed_one(
     family: str, engines: Callable[[str], Engines]
 ) -> None:
     """What the vLLM encoder computes instead of a second preprocessing (libs/backends/vllm/encoder.py)."""
-    from libs.runtime.encoder_runner import media_hash
-    from libs.runtime.families.qwen_vl import QwenVLAdapter
-    from libs.runtime.media.limits import MediaLimits
+    from libs.model.content import media_hash
+    from libs.model.families.qwen_vl import QwenVLAdapter
+    from libs.model.media.limits import MediaLimits
 
     adapter = engines(family).encoder.adapter
     assert isinstance(adapter, QwenVLAdapter)

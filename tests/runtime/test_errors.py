@@ -12,10 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from libs.runtime.checkpoints import generate_checkpoint
-from libs.runtime.decode_runner import DecodeRunner
-from libs.runtime.encoder_runner import EncoderRunner
-from libs.runtime.errors import (
+from libs.model.checkpoints import generate_checkpoint
+from libs.model.errors import (
     CapacityError,
     EmbeddingMismatchError,
     ErrorKind,
@@ -25,11 +23,9 @@ from libs.runtime.errors import (
     MediaLimitError,
     UnsupportedModalityError,
 )
-from libs.runtime.lm_runtime import LanguageModelRuntime
-from libs.runtime.media import synthetic
-from libs.runtime.media.limits import MediaLimits
-from libs.runtime.prefill_runner import PrefillRunner
-from libs.runtime.types import (
+from libs.model.media import synthetic
+from libs.model.media.limits import MediaLimits
+from libs.model.types import (
     ChatMessage,
     ChatRole,
     EncodedItem,
@@ -40,6 +36,10 @@ from libs.runtime.types import (
     SamplingParams,
     TextPart,
 )
+from libs.runtime.decode_runner import DecodeRunner
+from libs.runtime.encoder_runner import EncoderRunner
+from libs.runtime.lm_runtime import LanguageModelRuntime
+from libs.runtime.prefill_runner import PrefillRunner
 from tests.support.engines import FAMILIES, Engines
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from libs.model.types import ChatMessage, ChatRole, FinishReason, SamplingParams, TextPart
 from libs.runtime.decode_runner import DecodeRunner
 from libs.runtime.prefill_runner import PrefillRunner
 from libs.runtime.stopping import TextStream, held_suffix
-from libs.runtime.types import ChatMessage, ChatRole, FinishReason, SamplingParams, TextPart
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

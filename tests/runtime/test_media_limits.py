@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from libs.runtime.encoder_runner import media_hash
-from libs.runtime.errors import InvalidMediaError, MediaLimitError
-from libs.runtime.media import synthetic
-from libs.runtime.media.audio import decode_audio
-from libs.runtime.media.limits import MediaLimits
-from libs.runtime.types import MediaInput, Modality, ProcessorOptions
+from libs.model.content import media_hash
+from libs.model.errors import InvalidMediaError, MediaLimitError
+from libs.model.media import synthetic
+from libs.model.media.audio import decode_audio
+from libs.model.media.limits import MediaLimits
+from libs.model.types import MediaInput, Modality, ProcessorOptions
 from tests.support.engines import Engines
 from tests.support.media_set import video_bytes
 from tests.support.parity import project_item

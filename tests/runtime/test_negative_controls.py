@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from libs.model.errors import EmbeddingMismatchError
+from libs.model.types import ChatMessage, ChatRole, EncodedItem, EncodedPart, SamplingParams, TextPart, VideoLayout
 from libs.runtime.decode_runner import DecodeRunner
-from libs.runtime.errors import EmbeddingMismatchError
 from libs.runtime.prefill_runner import PrefillRunner
-from libs.runtime.types import ChatMessage, ChatRole, EncodedItem, EncodedPart, SamplingParams, TextPart, VideoLayout
 from tests.support.engines import FAMILIES, Engines
 from tests.support.mixes import mixes
 from tests.support.staged import reference_for, rel_diff

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from libs.runtime.types import Modality, ProcessorOptions
+from libs.model.types import Modality, ProcessorOptions
 from tests.support import media_set
 from tests.support.engines import FAMILIES, Engines
 from tests.support.hf_reference import (

@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from libs.runtime.errors import InvalidRequestError
+from libs.model.errors import InvalidRequestError
+from libs.model.types import SamplingParams
 from libs.runtime.sampling import apply_penalties, check_sampling, suppress, top_logprobs
 from libs.runtime.stopping import TextStream
-from libs.runtime.types import SamplingParams
 
 
 class _CharTokenizer:

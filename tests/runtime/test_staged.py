@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from libs.runtime.checkpoint import Checkpoint
-from libs.runtime.types import Modality
+from libs.model.checkpoint import Checkpoint
+from libs.model.types import Modality
 from tests.support.engines import FAMILIES, Engines
 from tests.support.mixes import Mix, mixes
 from tests.support.staged import reference_for, rel_diff, run_staged

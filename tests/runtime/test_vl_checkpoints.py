@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from libs.model.media import synthetic
+from libs.model.types import ChatMessage, ChatRole, EncodedPart, MediaInput, Modality, SamplingParams, TextPart
 from libs.runtime.encoder_runner import EncoderRunner
 from libs.runtime.lm_runtime import LanguageModelRuntime
-from libs.runtime.media import synthetic
 from libs.runtime.prefill_runner import PrefillRunner
-from libs.runtime.types import ChatMessage, ChatRole, EncodedPart, MediaInput, Modality, SamplingParams, TextPart
 from tests.support.engines import Engines
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from libs.runtime.checkpoints.generate import ensure_converted
+from libs.model.checkpoints.generate import ensure_converted
 from tests.support.speech_corpus import UTTERANCES, utterance
 from tests.support.speech_wer import corpus_wer
 from tests.support.whisper_staged import Transcript, WhisperStages, load_reference, reference_tokens
@@ -122,9 +122,9 @@ def test_prefill_logits_equal_the_models(split: dict[str, Any], clips: dict[str,
 def test_decode_needs_the_cross_attention_kv(split: dict[str, Any], clips: dict[str, bytes]) -> None:
     """A Whisper KV without its cross-attention tensors is refused; another clip's cross-attention
     KV under this clip's prompt KV changes the logits (decode really reads it)."""
-    from libs.runtime.errors import KvMismatchError
+    from libs.model.errors import KvMismatchError
+    from libs.model.types import ChatMessage, ChatRole, EncodedPart, KvCache, SamplingParams
     from libs.runtime.kv import cross_kv_names
-    from libs.runtime.types import ChatMessage, ChatRole, EncodedPart, KvCache, SamplingParams
 
     stages: WhisperStages = split["stages"]
 
@@ -154,8 +154,8 @@ def test_decode_needs_the_cross_attention_kv(split: dict[str, Any], clips: dict[
 
 
 def test_prefill_refuses_a_text_prompt(split: dict[str, Any], clips: dict[str, bytes]) -> None:
-    from libs.runtime.errors import InvalidRequestError
-    from libs.runtime.types import ChatMessage, ChatRole, EncodedPart, SamplingParams, TextPart
+    from libs.model.errors import InvalidRequestError
+    from libs.model.types import ChatMessage, ChatRole, EncodedPart, SamplingParams, TextPart
 
     stages: WhisperStages = split["stages"]
     item = stages.encoder.encode([stages_media(clips["short"])])[0]
@@ -164,6 +164,6 @@ def test_prefill_refuses_a_text_prompt(split: dict[str, Any], clips: dict[str, b
 
 
 def stages_media(data: bytes) -> Any:
-    from libs.runtime.types import MediaInput, Modality
+    from libs.model.types import MediaInput, Modality
 
     return MediaInput(Modality.AUDIO, data)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from libs.runtime.checkpoints.generate import ensure_converted
+from libs.model.checkpoints.generate import ensure_converted
 from tests.support.speech_corpus import HARVARD, UTTERANCES, utterance
 from tests.support.speech_wer import corpus_wer
 from tests.support.whisper_staged import WhisperStages, load_reference, reference_tokens

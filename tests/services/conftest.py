@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from libs.launch.stack import Stack, StackSpec
-from libs.runtime.checkpoints import ensure_checkpoint
+from libs.model.checkpoints import ensure_checkpoint
 from libs.runtime.encoder_runner import EncoderRunner
 from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.telemetry.spans import OtlpReceiver

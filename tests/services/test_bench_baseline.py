@@ -1,5 +1,5 @@
 """The P4 benchmark's baseline stack (docs/results/benchmarks.md) against real services: its router and
-prefill run through the bench-only wrapper (libs/bench/raw_media.py), so prefill gets each item's
+prefill run through the bench-only wrapper (tests/benchmarks/raw_media.py), so prefill gets each item's
 raw media besides the metadata, decodes and preprocesses it, and still serves the model's own
 tokens; the stacks of every other test run the services without it."""
 
@@ -27,7 +27,7 @@ def baseline(model_path: Path, tmp_path_factory: pytest.TempPathFactory, receive
         model=model_path,
         run_dir=tmp_path_factory.mktemp("p4-baseline"),
         env=tracing_env(receiver),
-        run_through={side: ["libs.bench.raw_media", f"--{side}"] for side in ("router", "prefill")},
+        run_through={side: ["tests.benchmarks.raw_media", f"--{side}"] for side in ("router", "prefill")},
     )
     stack = Stack(spec)
     stack.up()

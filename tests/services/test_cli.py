@@ -24,7 +24,7 @@ import pytest
 from libs.client.generate import build_request, media_from_file
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
 from libs.launch.process import ROOT
-from libs.runtime.media import synthetic
+from libs.model.media import synthetic
 from libs.telemetry.report import breakdowns
 from libs.telemetry.spans import load_jsonl
 from tests.support.epd_cli import EPD, cli_env, parse_table, run_epd

@@ -22,8 +22,8 @@ from libs.contract.epd.v1 import (
     tensor_pb2,
 )
 from libs.launch.process import ServiceProcess
+from libs.model.media import synthetic
 from libs.rpc.server import channel_options
-from libs.runtime.media import synthetic
 
 pytestmark = pytest.mark.integration
 

@@ -31,8 +31,8 @@ from libs.contract.grpc_status import ERROR_FIELD_METADATA_KEY
 from libs.contract.reasons import Reason, reason_of
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack, StackSpec
-from libs.runtime.checkpoints import ensure_checkpoint
-from libs.runtime.media import synthetic
+from libs.model.checkpoints import ensure_checkpoint
+from libs.model.media import synthetic
 from libs.telemetry.spans import OtlpReceiver, SpanRecord
 from services.router.encoders import _weight as rendezvous_weight
 from tests.support.golden import request_for

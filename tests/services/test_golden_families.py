@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from libs.launch.stack import Stack, StackSpec
-from libs.runtime.checkpoints import ensure_checkpoint
+from libs.model.checkpoints import ensure_checkpoint
+from libs.model.types import Modality
 from libs.runtime.lm_runtime import LanguageModelRuntime
-from libs.runtime.types import Modality
 from tests.support.golden import expected_tokens, request_for
 from tests.support.mixes import mixes
 from tests.support.reference import load_reference

@@ -25,7 +25,7 @@ from libs.contract.epd.v1 import (
     tensor_pb2,
 )
 from libs.launch.stack import Stack
-from libs.runtime.media import synthetic
+from libs.model.media import synthetic
 from libs.transfer.stamp import CAPABILITY, CHECKSUMS_CAPABILITY
 from tests.support.stacks import wait_pools_empty
 

@@ -24,7 +24,7 @@ from libs.contract.epd.v1 import (
 )
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack
-from libs.runtime.media import synthetic
+from libs.model.media import synthetic
 from libs.telemetry.spans import OtlpReceiver, SpanRecord
 from tests.support.golden import request_for
 from tests.support.interposer import Interposer

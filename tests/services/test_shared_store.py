@@ -31,9 +31,9 @@ from libs.contract.epd.v1 import generate_pb2, media_pb2, sampling_pb2, service_
 from libs.launch.process import free_port
 from libs.launch.stack import Stack, StackSpec
 from libs.launch.store import start_store
-from libs.runtime.dtypes import dtype_name
+from libs.model.dtypes import dtype_name
+from libs.model.media import synthetic
 from libs.runtime.encoder_runner import EncoderRunner
-from libs.runtime.media import synthetic
 from libs.serving.convert import media_input
 from libs.telemetry.report import breakdowns
 from libs.telemetry.spans import by_trace, load_jsonl

@@ -22,7 +22,7 @@ from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
 from libs.contract.version import CONTRACT_MAJOR, CONTRACT_MINOR
 from libs.launch.process import ServiceProcess
 from libs.launch.stack import Stack, StackSpec
-from libs.runtime.checkpoints.generate import ensure_converted
+from libs.model.checkpoints.generate import ensure_converted
 from libs.serving.speech import SPEECH_TRANSCRIPTION
 from tests.support.epd_cli import parse_table, run_epd
 from tests.support.hf_reference import reference_audio

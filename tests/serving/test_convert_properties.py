@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from libs.contract.epd.v1 import chat_pb2, layout_pb2, media_pb2, prefill_pb2, sampling_pb2
 from libs.contract.errors import InvalidArgument
 from libs.contract.validation import DEFAULT_LIMITS, validate_item_layout, validate_sampling
-from libs.runtime import types as eng
+from libs.model import types as eng
 from libs.serving import convert
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from libs.runtime.types import FinishReason, TokenChunk
+from libs.model.types import FinishReason, TokenChunk
 from libs.serving.compute_thread import ComputeThread, DecodeLoop, StepStats
 
 pytestmark = pytest.mark.unit

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from libs.contract.errors import EpdError, InvalidArgument
-from libs.runtime import types as eng
-from libs.runtime.errors import InvalidMediaError
+from libs.model import types as eng
+from libs.model.errors import InvalidMediaError
 from libs.serving.compute_thread import ComputeThread
 from libs.serving.encoding import EncodeBatcher
 from tests.support.compute_thread import hold_thread, until_queued

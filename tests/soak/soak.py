@@ -41,7 +41,7 @@ from libs.client.generate import build_request, generate, open_channel
 from libs.contract.epd.v1 import generate_pb2, media_pb2, sampling_pb2
 from libs.launch.stack import Stack, StackSpec
 from libs.launch.supervisor import STORE_MASTER, Supervisor
-from libs.runtime.media import synthetic
+from libs.model.media import synthetic
 
 ROLES = ("encoder-0", "prefill", "decode", "router", STORE_MASTER, "encoder-1")
 
@@ -346,7 +346,7 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, default=Path("var/soak"))
     parser.add_argument("--out", type=Path, default=Path("var/soak/result.json"))
     ns = parser.parse_args()
-    from libs.runtime.checkpoints import ensure_checkpoint
+    from libs.model.checkpoints import ensure_checkpoint
 
     config = SoakConfig(
         model=ensure_checkpoint("qwen2_5_omni", "tiny"),

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from libs.cache.entry import CacheEntry
-from libs.cache.keys import CacheKey, Namespace, content_hash
+from libs.cache.keys import CacheKey, Namespace
 from libs.cache.store import OBJECT_NOT_FOUND, StoreResult, StoreStatus
-from libs.runtime.types import (
+from libs.model.content import content_hash
+from libs.model.types import (
     AudioLayout,
     EmbeddingSpec,
     ExtraTensorSpec,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from libs.runtime.checkpoints import ensure_checkpoint
+from libs.model.checkpoints import ensure_checkpoint
 from libs.runtime.encoder_runner import EncoderRunner
 from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.runtime.prefill_runner import PrefillRunner

@@ -101,18 +101,18 @@ def _handle_errors() -> tuple[type[BaseException], ...]:
 @functools.cache
 def _adapter() -> Any:
     """The tiny Qwen2.5-Omni checkpoint's family adapter: images, video and audio."""
-    from libs.runtime.checkpoint import Checkpoint
-    from libs.runtime.checkpoints import ensure_checkpoint
-    from libs.runtime.families import adapter_for
+    from libs.model.checkpoint import Checkpoint
+    from libs.model.checkpoints import ensure_checkpoint
+    from libs.model.families import adapter_for
 
     return adapter_for(Checkpoint(ensure_checkpoint("qwen2_5_omni", "tiny")))
 
 
 def _media(modality_name: str) -> Callable[[bytes], None]:
     def run(data: bytes) -> None:
-        from libs.runtime.encoder_runner import media_hash
-        from libs.runtime.media.limits import MediaLimits
-        from libs.runtime.types import MediaInput, Modality
+        from libs.model.content import media_hash
+        from libs.model.media.limits import MediaLimits
+        from libs.model.types import MediaInput, Modality
 
         media = MediaInput(Modality(modality_name), data)
         _adapter().preprocess(media, media_hash(media), MediaLimits())
@@ -122,7 +122,7 @@ def _media(modality_name: str) -> Callable[[bytes], None]:
 
 def _media_seeds(modality_name: str) -> Callable[[], Iterable[bytes]]:
     def seeds() -> Iterable[bytes]:
-        from libs.runtime.media import synthetic
+        from libs.model.media import synthetic
 
         if modality_name == "image":
             yield synthetic.png_bytes(28, 28, seed=1)
@@ -136,7 +136,7 @@ def _media_seeds(modality_name: str) -> Callable[[], Iterable[bytes]]:
 
 
 def _engine_errors() -> tuple[type[BaseException], ...]:
-    from libs.runtime.errors import EngineError
+    from libs.model.errors import EngineError
 
     return (EngineError,)
 

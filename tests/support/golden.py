@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from libs.contract.epd.v1 import chat_pb2, generate_pb2, media_pb2, sampling_pb2
+from libs.model.types import Modality
 from libs.runtime.lm_runtime import LanguageModelRuntime
-from libs.runtime.types import Modality
 from libs.serving.convert import MODALITY_TO_WIRE
 from tests.support.mixes import Mix
 from tests.support.reference import reference_generate, reference_inputs

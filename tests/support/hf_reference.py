@@ -33,7 +33,7 @@ from unittest import mock
 import numpy as np
 from PIL import Image, ImageOps
 
-from libs.runtime.types import Modality, ProcessorOptions
+from libs.model.types import Modality, ProcessorOptions
 
 REPO = Path(__file__).resolve().parents[2]
 # What the released Qwen2.5-Omni tokenizer config names (the processor reads tokenizer.image_token...).

@@ -17,7 +17,7 @@ import av
 import numpy as np
 from PIL import Image
 
-from libs.runtime.media import synthetic
+from libs.model.media import synthetic
 
 
 @dataclass(frozen=True)

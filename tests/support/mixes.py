@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from libs.runtime.media import synthetic
-from libs.runtime.types import MediaInput, Modality
+from libs.model.media import synthetic
+from libs.model.types import MediaInput, Modality
 
 
 @dataclass(frozen=True)

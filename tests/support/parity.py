@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from libs.runtime.encoder_runner import media_hash
-from libs.runtime.errors import EngineError, InvalidMediaError
-from libs.runtime.families.base import FamilyAdapter, PreparedItem
-from libs.runtime.media.limits import MediaLimits
-from libs.runtime.prompt import build_prompt
-from libs.runtime.types import (
+from libs.model.content import media_hash
+from libs.model.errors import EngineError, InvalidMediaError
+from libs.model.families.base import FamilyAdapter, PreparedItem
+from libs.model.media.limits import MediaLimits
+from libs.model.prompt import build_prompt
+from libs.model.types import (
     ChatMessage,
     ChatRole,
     EncodedItem,
@@ -130,7 +130,7 @@ def compare(
 
 
 def table() -> list[Comparison]:
-    from libs.runtime.checkpoints import ensure_checkpoint
+    from libs.model.checkpoints import ensure_checkpoint
     from libs.runtime.encoder_runner import EncoderRunner
     from libs.runtime.lm_runtime import LanguageModelRuntime
     from tests.support import media_set

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from libs.runtime.checkpoint import Checkpoint
-from libs.runtime.families import adapter_for
+from libs.model.checkpoint import Checkpoint
+from libs.model.families import adapter_for
 from tests.support.hf_reference import RefItem, reference_batch
 from tests.support.mixes import Mix
 

@@ -1,4 +1,4 @@
-"""First-contact checks (`services.router.backends.Checks`) that pass every peer without a
+"""First-contact checks (`services.router.stubs.Checks`) that pass every peer without a
 handshake, for router tests without services; a test that wants one refused or gone replaces the
 hook it needs (`on_encoder`, `on_prefill`, `on_decode`, `honoring`, `cache_of`, `running`)."""
 

@@ -1,4 +1,4 @@
-"""The router core's backends as test doubles with the generated stubs' call shapes (encoders,
+"""The router core's stages as test doubles with the generated stubs' call shapes (encoders,
 lease release, prefill, decode) and a `Harness` that wires them, with checks that pass every peer
 (tests/support/router_checks.py), to a real `Router`; sample requests with distinct images. Used by
 the router tests (tests/router)."""
@@ -21,10 +21,10 @@ from libs.contract.epd.v1 import (
     lease_pb2,
     prefill_pb2,
 )
-from services.router.backends import Backends, Stages
 from services.router.core import Router
 from services.router.encoders import EncoderPool
 from services.router.stages import DECODE_IN_FLIGHT_ADVERTISED
+from services.router.stubs import Stages, StageStubs
 from tests.support import samples
 from tests.support.router_checks import PassingChecks
 
@@ -182,7 +182,7 @@ class Harness:
         self.checks = PassingChecks()
         if "encoder_cache" in kw:
             self.checks.cache_of = kw["encoder_cache"]
-        self.backends = backends = Backends(
+        self.stubs = stubs = StageStubs(
             encoder=self.encoders.__getitem__,
             lease=self.leases.stub,
             checks=self.checks,
@@ -190,9 +190,9 @@ class Harness:
             decode=lambda address: self.decode,
         )
         self.pool = EncoderPool(list(self.encoders), slack=kw.get("slack", 0))
-        self.stages = Stages.single(backends)
+        self.stages = Stages.one_each(stubs)
         self.router = Router(
-            backends,
+            stubs,
             self.pool,
             cache=kw.get("cache"),
             stages=self.stages,

@@ -13,12 +13,8 @@ from typing import Any
 
 import torch
 
-from libs.runtime.decode_runner import DecodeRunner
-from libs.runtime.encoder_runner import EncoderRunner
-from libs.runtime.errors import EngineError
-from libs.runtime.lm_runtime import LanguageModelRuntime
-from libs.runtime.prefill_runner import PrefillRunner
-from libs.runtime.types import (
+from libs.model.errors import EngineError
+from libs.model.types import (
     ChatMessage,
     ChatRole,
     EncodedItem,
@@ -30,6 +26,10 @@ from libs.runtime.types import (
     SamplingParams,
     TextPart,
 )
+from libs.runtime.decode_runner import DecodeRunner
+from libs.runtime.encoder_runner import EncoderRunner
+from libs.runtime.lm_runtime import LanguageModelRuntime
+from libs.runtime.prefill_runner import PrefillRunner
 from tests.support import wire
 
 

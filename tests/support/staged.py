@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from libs.runtime.encoder_runner import media_hash
+from libs.model.content import media_hash
+from libs.model.media.limits import MediaLimits
+from libs.model.prompt import build_prompt
+from libs.model.types import ChatMessage, ChatRole, EncodedItem, EncodedPart, TextPart
 from libs.runtime.lm_runtime import LanguageModelRuntime
-from libs.runtime.media.limits import MediaLimits
-from libs.runtime.prompt import build_prompt
-from libs.runtime.types import ChatMessage, ChatRole, EncodedItem, EncodedPart, TextPart
 from tests.support import wire
 from tests.support.mixes import Mix
 from tests.support.reference import reference_generate, reference_inputs

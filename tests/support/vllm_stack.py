@@ -35,12 +35,12 @@ from libs.contract.epd.v1 import (
     tensor_pb2,
 )
 from libs.launch.process import ServiceProcess
+from libs.model import types as eng
+from libs.model.media import synthetic
 from libs.rpc.server import open_channel as service_channel
-from libs.runtime import types as eng
 from libs.runtime.decode_runner import DecodeRunner
 from libs.runtime.encoder_runner import EncoderRunner
 from libs.runtime.lm_runtime import LanguageModelRuntime
-from libs.runtime.media import synthetic
 from libs.runtime.prefill_runner import PrefillRunner
 
 TOKENS = 8

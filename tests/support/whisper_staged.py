@@ -13,11 +13,7 @@ from typing import Any
 
 import torch
 
-from libs.runtime.decode_runner import DecodeRunner
-from libs.runtime.encoder_runner import EncoderRunner
-from libs.runtime.lm_runtime import LanguageModelRuntime
-from libs.runtime.prefill_runner import PrefillRunner
-from libs.runtime.types import (
+from libs.model.types import (
     ChatMessage,
     ChatRole,
     EncodedItem,
@@ -28,6 +24,10 @@ from libs.runtime.types import (
     PrefillResult,
     SamplingParams,
 )
+from libs.runtime.decode_runner import DecodeRunner
+from libs.runtime.encoder_runner import EncoderRunner
+from libs.runtime.lm_runtime import LanguageModelRuntime
+from libs.runtime.prefill_runner import PrefillRunner
 from libs.speech.longform import Segment, WindowSegmenter
 from tests.support.hf_reference import reference_audio
 

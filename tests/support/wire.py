@@ -11,8 +11,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from libs.runtime.dtypes import DTYPE_BY_NAME, dtype_name
-from libs.runtime.types import AudioLayout, DecodeState, ImageLayout, ItemLayout, KvCacheLayout, Modality, VideoLayout
+from libs.model.dtypes import DTYPE_BY_NAME, dtype_name
+from libs.model.types import AudioLayout, DecodeState, ImageLayout, ItemLayout, KvCacheLayout, Modality, VideoLayout
 
 
 def pack(header: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> bytes:

@@ -15,12 +15,12 @@ from libs.backends.settings import ColocatedBackendSettings
 from libs.contract.epd.v1 import generate_pb2
 from libs.contract.errors import InvalidArgument
 from libs.contract.validation import Limits
-from libs.runtime import types as eng
+from libs.model import types as eng
+from libs.model.types import EncodedItem, MediaInput
 from libs.runtime.decode_runner import DecodeRunner
 from libs.runtime.encoder_runner import EncoderRunner
 from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.runtime.prefill_runner import CHUNK_TOKENS, PrefillRunner
-from libs.runtime.types import EncodedItem, MediaInput
 from libs.serving import convert
 from libs.serving.compute_thread import ComputeThread, DecodeLoop
 from libs.serving.embeddings import FetchedItems

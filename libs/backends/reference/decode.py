@@ -17,14 +17,14 @@ from libs.backends.settings import EngineSettings
 from libs.contract.epd.v1 import decode_pb2
 from libs.contract.errors import DeadlineExceeded
 from libs.contract.reasons import Reason
-from libs.runtime import types as eng
+from libs.model import types as eng
 from libs.runtime.decode_runner import DecodeRunner
 from libs.runtime.kv import cross_kv_names, kv_names
 from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.serving import convert
 from libs.serving.compute_thread import ComputeThread, DecodeLoop
 from libs.serving.generation import decode_stream
-from libs.serving.identity import model_identity
+from libs.serving.service_info import model_identity
 from libs.serving.speech import speech_capabilities
 from libs.serving.transport import Transport, transfer_config, transport_name
 from libs.telemetry.stages import record_transfer, stage

@@ -30,15 +30,16 @@ from libs.cache.store import MooncakeStoreClient, StoreConfig
 from libs.contract.epd.v1 import encoder_pb2, layout_pb2, service_info_pb2, tensor_pb2
 from libs.contract.errors import NotFound
 from libs.contract.validation import Limits
-from libs.runtime import types as eng
-from libs.runtime.dtypes import dtype_name
-from libs.runtime.encoder_runner import EncoderRunner, media_hash
-from libs.runtime.types import EncodedItem, MediaInput
+from libs.model import types as eng
+from libs.model.content import media_hash
+from libs.model.dtypes import dtype_name
+from libs.model.types import EncodedItem, MediaInput
+from libs.runtime.encoder_runner import EncoderRunner
 from libs.serving import convert
 from libs.serving.compute_thread import ComputeThread
 from libs.serving.encoding import EncodeBatcher
-from libs.serving.identity import model_identity
 from libs.serving.media_source import job_media
+from libs.serving.service_info import model_identity
 from libs.serving.speech import speech_capabilities
 from libs.serving.transport import Transport, transfer_config
 from libs.telemetry.stages import stage

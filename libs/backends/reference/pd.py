@@ -9,18 +9,18 @@ from collections.abc import AsyncIterator
 import torch
 
 from libs.backends.api import PrefillDecodeBackend
-from libs.backends.identity import capability
+from libs.backends.engines import capability
 from libs.backends.in_flight import InFlight
 from libs.backends.settings import PrefillDecodeEngineSettings
 from libs.contract.epd.v1 import prefill_decode_pb2, service_info_pb2
-from libs.runtime import types as eng
+from libs.model import types as eng
 from libs.runtime.decode_runner import DecodeRunner
 from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.runtime.prefill_runner import CHUNK_TOKENS, PrefillRunner
 from libs.serving import convert
 from libs.serving.compute_thread import ComputeThread, DecodeLoop
 from libs.serving.generation import fetch_and_prefill, stream_after_prefill
-from libs.serving.identity import model_identity
+from libs.serving.service_info import model_identity
 from libs.serving.speech import speech_capabilities, transcription_spec
 from libs.serving.transport import Transport, transfer_config
 

@@ -1,0 +1,3 @@
+from libs.model.checkpoints.generate import main
+
+main()

@@ -1,3 +1,0 @@
-from libs.runtime.checkpoints.generate import main
-
-main()
