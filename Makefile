@@ -96,7 +96,7 @@ bench-vllm: deps ## TTFT and throughput: EPD on vLLM vs vLLM's own E+PD vs vLLM 
 # unsplit servers, each alone, interleaved repeats (tests/benchmarks/peers/vs_vllm.py MATRIX; docs/results/bench-vs-vllm.md).
 # Hours on 2 cores: vLLM's P/D split serves a few tokens/s there, each bench serve point bounded by --point-timeout-s.
 bench-vs-vllm: deps ## EPD (door) vs vLLM's own deployments on `vllm bench serve`, c=1..64, 3 repeats (not in make test)
-	$(PY) tests/benchmarks/bench_vs_vllm.py --repeats 3 --out docs/results/bench-vs-vllm
+	$(PY) tests/benchmarks/bench_vs_vllm.py --repeats 3 --out var/bench-vs-vllm/run
 
 bench-vs-vllm-quick: deps ## the same, smoke size: c=1,4, one repeat, 8 prompts (not in make test)
 	$(PY) tests/benchmarks/bench_vs_vllm.py --quick --out var/bench-vs-vllm-quick
@@ -110,7 +110,7 @@ bench-pixels: deps ## CPU per image, JPEG to encoder input: pixels kept channels
 bench-transfer: deps ## NIXL vs memcpy vs inline gRPC throughput, 64 KiB latency (not part of make test)
 	$(PY) tests/benchmarks/bench_transfer.py
 
-# The seed's experiments on the ~100M checkpoint (docs/results/benchmarks.md); results in docs/benchmarks/.
+# The seed's experiments on the ~100M checkpoint: raw results in var/experiments/; the run of record on docs/results/experiments.md.
 EXPERIMENTS := $(PY) tests/benchmarks/experiments.py
 bench-all: deps ## every experiment (P3 P8 P7 P7v P4 P5 + planner check), one table (~30 min; not in make test)
 	$(EXPERIMENTS) all

@@ -19,7 +19,7 @@ import pytest
 TIERS = ("unit", "integration", "stack", "vllm")
 
 # The vLLM services the suite starts run eager unless a test says otherwise: compiling the language
-# model (the services' default) adds 10-20 s to every engine start on 2 CPUs. The families' stacks
+# model (the services' default) makes every engine start slower. The families' stacks
 # (tests/backends/test_vllm_families.py) run compiled, as deployed; EPD_ENFORCE_EAGER=false in the
 # environment runs the whole suite compiled.
 os.environ.setdefault("EPD_ENFORCE_EAGER", "true")

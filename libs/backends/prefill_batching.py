@@ -6,8 +6,8 @@ together at most once every `max_steps` engine steps, they stall it once per win
 sequences decoding in between step at their own pace. The price is first-token time: a request
 waits at most `max_steps` of the running batch's steps. It is held only while the engine's batch is
 full: with a free slot the engine starts it in its next step, and holding it would cost its first
-token and the engine a sequence to step for nothing (measured: a third less throughput at 4
-clients on an 8-sequence batch). TGI's router holds requests the same way (`--max-waiting-tokens`).
+token and the engine a sequence to step for nothing, and throughput falls. TGI's router holds
+requests the same way (`--max-waiting-tokens`).
 
 Used from one event loop (the backend's request coroutines): `enter()` before a request goes into
 the engine, then its ticket's `stepped()` for each output read from the engine and `leave()` once

@@ -1,5 +1,5 @@
 """Backends by name, imported only when chosen: `start(role, name, settings)` imports
-`libs.backends.<name>.<role>` (so vLLM, ~15 s to import, is loaded only by a service that runs it)
+`libs.backends.<name>.<role>` (so vLLM, slow to import, is loaded only by a service that runs it)
 and calls its module-level `start(settings)`, the backend's async factory (`api.py`)."""
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ class EngineSettings(ModelServiceSettings):
     )
     enforce_eager: bool = setting(
         False,
-        "vLLM: eager execution (a start 10-20 s quicker on 2 CPUs); off: vLLM compiles the language model, its own "
-        "default (and captures CUDA graphs on GPUs): 25-35% less time per token on CPU (docs/vllm-operations.md)",
+        "vLLM: eager execution (a quicker start); off: vLLM compiles the language model, its own default (and "
+        "captures CUDA graphs on GPUs): faster per token (docs/vllm-operations.md)",
     )
     tensor_parallel_size: int = setting(1, "vLLM: devices one engine shards the model over (tensor parallel)")
     engine_host_ip: str = setting(
@@ -60,14 +60,14 @@ class EngineSettings(ModelServiceSettings):
     engine_busy_poll_s: float = setting(
         -1.0,
         "vLLM: seconds EngineCore and its Worker keep polling each other's queue after a message before they "
-        "sleep (waking every 1 ms); -1: vLLM's own (1 s); 0: sleep at once (a small CPU host, where the polling "
-        "takes the cores the forward needs)",
+        "sleep (waking every 1 ms); -1: vLLM's own (1 s); 0: sleep at once (a host with few cores, where the "
+        "polling takes the cores the forward needs)",
     )
     engine_cpus: tuple[int, ...] = setting(
         (),
         "vLLM: CPUs the engine's processes (EngineCore, and its Worker) run on, comma-separated (e.g. 1); the "
-        "service itself keeps its own. Empty: the service's. On a small host an engine on a core of its own steps "
-        "without waiting behind the other services (docs/vllm-operations.md, Placement)",
+        "service itself keeps its own. Empty: the service's. On a host with few cores an engine on a core of its "
+        "own steps without waiting behind the other services (docs/vllm-operations.md, Placement)",
     )
     engine_start_timeout_s: float = setting(
         300.0, "vLLM: seconds an engine (re)start may take; past it its processes are killed (a failure)"

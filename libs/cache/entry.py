@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
-from zlib_ng.zlib_ng import crc32  # zlib's CRC-32, SIMD: ~10x zlib's speed here
+from zlib_ng.zlib_ng import crc32  # zlib's CRC-32, SIMD-accelerated
 
 from libs.cache.keys import ENTRY_FORMAT_VERSION, CacheKey, Namespace
 from libs.model.dtypes import DTYPE_BY_NAME, NAME_BY_DTYPE, dtype_name

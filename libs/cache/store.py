@@ -1,10 +1,11 @@
 """A Mooncake Store client that never raises and never blocks past its deadline.
 
 Mooncake's Python binding reports failures as negative return codes and has no per-call timeout:
-against a dead master a call takes ~4.3 s, against a frozen one a put takes 30 s, and `setup` retries
-for ~90 s by default. So every call runs on one of a few daemon worker threads (the binding releases
-the GIL) and the caller waits only `op_timeout_s`; a circuit breaker stops calling a store that keeps
-failing. Every failure becomes a `StoreResult` status, a warning (rate-limited) and a metric.
+against a dead master a call blocks for seconds, against a frozen one a put blocks far longer, and
+`setup` retries for over a minute by default. So every call runs on one of a few daemon worker
+threads (the binding releases the GIL) and the caller waits only `op_timeout_s`; a circuit breaker
+stops calling a store that keeps failing. Every failure becomes a `StoreResult` status, a warning
+(rate-limited) and a metric.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class MooncakeStoreClient:
         self._closed = False
         meter = meter or metrics.get_meter("epd")
         self._ops = meter.create_counter("epd.cache.store.ops", description="Mooncake Store calls by op and status")
-        # Bounds `setup` against a dead master to one attempt (~4.4 s) instead of 20 (~90 s).
+        # Bounds `setup` against a dead master to one attempt instead of 20.
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
 
     # -- public API: each returns a StoreResult, never raises ---------------------------------------

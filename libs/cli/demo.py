@@ -17,7 +17,7 @@ from libs.client.generate import GenerationResult, build_request, generate, open
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
 from libs.launch.process import LaunchError
 from libs.launch.stack import Stack, StackSpec
-from libs.runtime.media import synthetic
+from libs.model.media import synthetic
 
 
 def sample_requests() -> list[tuple[str, list[media_pb2.MediaItem], str]]:

@@ -18,14 +18,22 @@ import sys
 import threading
 from pathlib import Path
 
-from libs.backends.identity import encoder_refusal, model_type, refusal
+from libs.backends.engines import encoder_refusal, model_type, refusal
 from libs.cli.router_client import ADDRESS_FILE, DEFAULT_RUN_DIR, UsageError, router_target, stream_to_stdout
 from libs.client.generate import build_request, media_from_file
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
 from libs.launch.config import DescriptionError, load_description, stack_spec
 from libs.launch.placement import Placement
 from libs.launch.process import LaunchError
-from libs.launch.stack import CLIENT_TOKEN, LAYOUTS, Stack, StackSpec
+from libs.launch.stack import (
+    CLIENT_TOKEN,
+    DOOR_IN_ROUTER,
+    DOOR_PLACEMENTS,
+    LAYOUTS,
+    Stack,
+    StackSpec,
+    default_door_placement,
+)
 from libs.launch.supervisor import Supervisor
 
 DEFAULT_MODEL = Path("var/models/qwen2_5_omni-tiny")
@@ -38,7 +46,7 @@ def ensure_model(path: Path) -> Path:
         if not (path / "config.json").exists():
             raise SystemExit(f"epd: no checkpoint at {path} (config.json missing)")
         return path
-    from libs.runtime.checkpoints import ensure_checkpoint  # torch import only when needed
+    from libs.model.checkpoints import ensure_checkpoint  # torch import only when needed
 
     print(f"checking the tiny Qwen2.5-Omni checkpoint in {path} ...", file=sys.stderr)
     return ensure_checkpoint("qwen2_5_omni", "tiny")
@@ -91,16 +99,18 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
         help="also start the OpenAI-compatible HTTP door in front of the router (default: on)",
     )
     parser.add_argument(
-        "--door-in-router",
-        action="store_true",
-        help="serve the OpenAI door from the router's process (its --openai-port: one process and one relay "
-        "per token less) instead of a process of its own; e+pd and e/p/d",
+        "--door-placement",
+        choices=DOOR_PLACEMENTS,
+        default=None,
+        help="where the OpenAI door runs: router (in the router's process, its --openai-port: one process and "
+        "one relay per token less; e+pd and e/p/d) or process (its own, services/openai_door); default: router, "
+        "process in the colocated layout",
     )
     parser.add_argument(
         "--placement",
         action="store_true",
         help="e+pd or e/p/d on vLLM on a small host: the decoding engine (the PD's, the decode's) alone on the last "
-        "CPU, the other services on the rest, the encoders at nice 19, the router admitting two batches "
+        "CPU, the other services on the rest, the encoders at nice 19, the router admitting a few decoding batches "
         "(libs/launch/placement.py)",
     )
     parser.add_argument(
@@ -113,14 +123,21 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
 
 
 # Flags a stack description sets; given beside --config they would contradict the file.
-_DESCRIBED = ("layout", "encoders", "engine", "encoder_engine", "model", "cache_store", "cache_store_mib", "tls")
+_DESCRIBED = (
+    "layout",
+    "encoders",
+    "engine",
+    "encoder_engine",
+    "model",
+    "cache_store",
+    "cache_store_mib",
+    "tls",
+    "door_placement",
+)
 
 
 def _described_spec(ns: argparse.Namespace, env: dict[str, str]) -> StackSpec:
     given = [f"--{name.replace('_', '-')}" for name in _DESCRIBED if getattr(ns, name) is not None]
-    if ns.door_in_router:
-        raise SystemExit("epd: --door-in-router cannot be combined with --config: a description's openai_door role "
-                         "runs as a process of its own (its port, its settings)")  # fmt: skip
     if ns.placement:
         raise SystemExit("epd: --placement cannot be combined with --config (a description places nothing)")
     if given:
@@ -140,10 +157,10 @@ def _described_spec(ns: argparse.Namespace, env: dict[str, str]) -> StackSpec:
     )
 
 
-def _door_in_router(ns: argparse.Namespace, layout: str) -> bool:
-    if ns.door_in_router and layout == "colocated":
-        raise SystemExit("epd: --door-in-router needs a router (the e+pd or e/p/d layout), not colocated")
-    return bool(ns.door_in_router)
+def _door_placement(ns: argparse.Namespace, layout: str) -> str:
+    if ns.door_placement == DOOR_IN_ROUTER and layout == "colocated":
+        raise SystemExit("epd: --door-placement router needs a router (the e+pd or e/p/d layout), not colocated")
+    return str(ns.door_placement or default_door_placement(layout))
 
 
 def _spec(ns: argparse.Namespace) -> StackSpec:
@@ -187,7 +204,7 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
         encoder_engine=encoder_engine,
         ready_timeout_s=420.0 if "vllm" in (engine, encoder_engine) else 120.0,
         openai_door=ns.openai_door,
-        door_in_router=_door_in_router(ns, layout),
+        door_placement=_door_placement(ns, layout),
         placement=ns.placement,
     )
 

@@ -1,2 +1,5 @@
-"""The OpenAI-compatible HTTP API of an EPD stack over the router's `Generate` (docs/openai-door.md):
-the application (`app`), how it reaches the router (`calls`) and its server (`server`)."""
+"""The OpenAI-compatible HTTP API of an EPD stack over the router's `Generate` (docs/openai-door.md),
+one component wherever it runs: the mapping of OpenAI's bodies, streams and errors (`openai`), the
+application (`app`), how it reaches the router (`calls`), its server and settings (`server`), and
+what the router's own process needs to serve it (`in_process`). Its own process is
+services/openai_door."""

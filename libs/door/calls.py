@@ -3,7 +3,7 @@ together (a client that disconnects, or one failed choice, ends them all: no lea
 request).
 
 The door reaches the router through a `GenerateCall`: over gRPC (`over_grpc`, the door as a
-process of its own) or in the router's own process (services/router/openai.py). Either raises
+process of its own) or in the router's own process (`in_process.in_process`). Either raises
 `ApiError` for a failed call.
 """
 
@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import grpc
 
-from libs.client.openai.errors import ApiError, from_rpc
 from libs.contract.epd.v1 import generate_pb2, generate_pb2_grpc
+from libs.door.openai.errors import ApiError, from_rpc
 
 
 class GenerateCall(Protocol):

@@ -1,7 +1,7 @@
 """Serving the door's application: its settings, its socket, uvicorn in the caller's event loop.
 
 Two processes host it: the door's own (services/openai_door, in front of a router over gRPC) and
-the router's (`--openai-port`, services/router/openai.py: no gRPC hop per token). Either owns its
+the router's (`--openai-port`, libs/door/in_process.py: no gRPC hop per token). Either owns its
 signals: uvicorn here never installs handlers of its own, the host stops it (`DoorServer.stop`).
 """
 
@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import uvicorn
+from prometheus_client import CollectorRegistry
 
 from libs.config import setting
 from libs.door.app import DoorConfig, create_app, whisper_vocab
@@ -91,9 +92,10 @@ class DoorServer:
             speech=whisper_vocab(settings.model),
         )
         self.tls = tls_cert is not None
+        self.metrics = CollectorRegistry()  # the door's instruments, served on its /metrics
         self._server = _Uvicorn(
             uvicorn.Config(
-                create_app(config, generate, self.fetch, health),
+                create_app(config, generate, self.fetch, health, self.metrics),
                 log_config=None,
                 access_log=False,
                 timeout_graceful_shutdown=int(grace_s),

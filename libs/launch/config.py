@@ -21,9 +21,9 @@ from typing import Any
 import jsonschema
 import yaml
 
-from libs.backends.identity import encoder_refusal, model_type, refusal
+from libs.backends.engines import encoder_refusal, model_type, refusal
 from libs.launch.process import ROOT
-from libs.launch.stack import StackSpec, replica_names
+from libs.launch.stack import DOOR_IN_ROUTER, DOOR_PROCESS, StackSpec, default_door_placement, replica_names
 
 SCHEMA_PATH = ROOT / "deploy" / "schema" / "stack.schema.json"
 # The roles each layout runs (and no others).
@@ -32,9 +32,13 @@ LAYOUT_ROLES = {
     "e+pd": ("router", "encoder", "pd"),
     "e/p/d": ("router", "encoder", "prefill", "decode"),
 }
-# The OpenAI-compatible HTTP door (services/openai_door): optional in every layout, in front of the
-# router (or the colocated service).
+# The OpenAI-compatible HTTP door (libs/door): optional in every layout, in front of the router (or
+# the colocated service), in the router's process or in one of its own (`placement`).
 DOOR = "openai_door"
+# What only a door process of its own has: with placement router the router's count, resources,
+# deadline and log level apply.
+_PROCESS_ONLY = ("replicas", "cpu", "memory")
+_PROCESS_ONLY_SETTINGS = {"request_timeout_s": "max_request_s", "log_level": "log_level"}
 # gRPC port of each role when the description gives none (Kubernetes; one role per pod).
 DEFAULT_PORTS = {
     "router": 50051,
@@ -103,6 +107,23 @@ class StackDescription:
     @property
     def tls(self) -> bool:
         return bool(self.raw["tls"]["enabled"])
+
+    @property
+    def door_placement(self) -> str | None:
+        """Where the door runs ("router", "process"), or None without a door."""
+        return door_placement(self.raw)
+
+    @property
+    def door_in_router(self) -> bool:
+        return self.door_placement == DOOR_IN_ROUTER
+
+
+def door_placement(doc: Mapping[str, Any]) -> str | None:
+    """The description's door placement, its layout's default when it gives none; None: no door."""
+    door = doc["roles"].get(DOOR)
+    if door is None:
+        return None
+    return str(door.get("placement") or default_door_placement(doc["layout"]))
 
 
 @cache
@@ -203,6 +224,35 @@ def _semantic_problems(doc: Mapping[str, Any]) -> list[str]:
         for other in ("metrics_port", "health_port"):
             if port == telemetry.get(other, schema()["properties"]["telemetry"]["properties"][other]["default"]):
                 problems.append(f"roles.{name}.port: {port} is also telemetry.{other}")
+    return problems + _door_problems(doc)
+
+
+def _door_problems(doc: Mapping[str, Any]) -> list[str]:
+    """A door in the router's process: there is a router, and the description gives nothing that
+    only a process of its own would have; its HTTP port is one more port of the router's pods."""
+    placement = door_placement(doc)
+    if placement is None or placement == DOOR_PROCESS:
+        return []
+    if doc["layout"] == "colocated":
+        return [f"roles.{DOOR}.placement: router needs a router (layout e+pd or e/p/d); layout is colocated"]
+    door, why = doc["roles"][DOOR], "the door runs in the router's process (placement router)"
+    problems = [f"roles.{DOOR}.{key}: {why}: the router's {key} apply" for key in _PROCESS_ONLY if key in door]
+    problems += [
+        f"roles.{DOOR}.settings.{key}: {why}: roles.router.settings.{router_key} applies"
+        for key, router_key in _PROCESS_ONLY_SETTINGS.items()
+        if key in door.get("settings", {})
+    ]
+    if "openai_door_service_type" in doc.get("kubernetes", {}):
+        problems.append(f"kubernetes.openai_door_service_type: {why}: its port is on the router's Service "
+                        "(kubernetes.router_service_type)")  # fmt: skip
+    port = door.get("port", DEFAULT_PORTS[DOOR])
+    telemetry = doc.get("telemetry", {})
+    taken = {"roles.router.port": doc["roles"]["router"].get("port", DEFAULT_PORTS["router"])}
+    for other in ("metrics_port", "health_port"):
+        taken[f"telemetry.{other}"] = telemetry.get(
+            other, schema()["properties"]["telemetry"]["properties"][other]["default"]
+        )
+    problems += [f"roles.{DOOR}.port: {port} is also {key} ({why})" for key, value in taken.items() if value == port]
     return problems
 
 
@@ -285,8 +335,10 @@ def role_settings(desc: StackDescription, role: str) -> dict[str, Value]:
     if role == "router":
         values["layout"] = desc.layout
         values["discovery_refresh_s"] = desc["discovery"]["refresh_s"]
-    if role == DOOR:
+    if role == DOOR or (role == "router" and desc.door_in_router):
         values["model"] = desc["model"]["path"]  # the id /v1/models lists; the door reads no weights
+    if role == "router" and desc.door_in_router:
+        values |= desc.roles[DOOR].settings  # the door's own, served by the router's process
     values |= desc.roles[role].settings
     return values
 
@@ -327,6 +379,8 @@ def stack_spec(desc: StackDescription, *, run_dir: Path, env: Mapping[str, str] 
     ]
     extra_args: dict[str, list[str]] = {}
     for name in desc.roles:
+        if name == DOOR and desc.door_in_router:
+            continue  # the router's flags carry its settings
         flags = _flags(role_settings(desc, name))
         if name in POOLED:
             for process in replica_names(name, desc.roles[name].replicas):
@@ -351,6 +405,7 @@ def stack_spec(desc: StackDescription, *, run_dir: Path, env: Mapping[str, str] 
         env=dict(env or {}),
         extra_args=extra_args,
         openai_door=DOOR in desc.roles,
+        door_placement=desc.door_placement or "",
     )
     return LocalPlan(spec, tuple(notes))
 
@@ -362,6 +417,7 @@ __all__ = [
     "LocalPlan",
     "Role",
     "StackDescription",
+    "door_placement",
     "env_name",
     "env_value",
     "load_description",

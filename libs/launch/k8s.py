@@ -18,10 +18,14 @@ holder as Deployments of their own. Choices (docs/deploy.md says why):
   then drains for EPD_GRACE_S: the grace period covers both plus a margin for the process to exit;
 - NIXL over TCP on the pod interface (EPD_UCX_TLS=tcp, EPD_UCX_NET_DEVICES=eth0): pods on one node
   are in different PID namespaces, where cross-memory attach does not work;
-- the OpenAI door (roles.openai_door, `epd-openai-door`) is HTTP: its probes are HTTP GETs on its
-  own port (HTTPS with TLS: kubelet does not verify the certificate), it serves /metrics there too,
-  and it calls the router's (or the colocated service's) Service as a client, with its own
-  certificate and the clients' tokens as the router checks them.
+- the OpenAI door (roles.openai_door) is HTTP. As a process of its own (`epd-openai-door`,
+  placement process) its probes are HTTP GETs on its own port (HTTPS with TLS: kubelet does not
+  verify the certificate), it serves /metrics there too, and it calls the router's (or the
+  colocated service's) Service as a client, with its own certificate and the clients' tokens as the
+  router checks them. In the router's process (placement router) its port is one more port of the
+  router's pods and Service (EPD_OPENAI_PORT), and the router's readiness is the door's /health
+  (the door opens after the gRPC server, and both close with the router's drain); the door's
+  instruments are on the router's metrics port.
 """
 
 from __future__ import annotations
@@ -104,6 +108,8 @@ def role_environment(desc: StackDescription, role: str) -> dict[str, str]:
     if role == DOOR:
         front = "colocated" if desc.layout == "colocated" else "router"
         values["router"] = f"{service_host(desc, front)}:{desc.roles[front].port}"
+    if role == "router" and desc.door_in_router:
+        values["openai_port"] = desc.roles[DOOR].port
     if desc.tls:
         values |= {
             "tls_ca": f"{TLS_MOUNT}/ca.crt",
@@ -146,9 +152,11 @@ def _probes(desc: StackDescription, role: str) -> dict[str, Any]:
             "livenessProbe": _http_probe(desc, "/metrics", 10, 6),
         }
     health = desc["telemetry"]["health_port"]
+    # A router serving the door is ready once both listen and until it drains: the door's /health.
+    in_router = role == "router" and desc.door_in_router
     return {
         "startupProbe": _grpc_probe(health, 2, 150),
-        "readinessProbe": _grpc_probe(health, 2, 1),
+        "readinessProbe": _http_probe(desc, "/health", 2, 1) if in_router else _grpc_probe(health, 2, 1),
         "livenessProbe": _grpc_probe(health, 10, 6),
     }
 
@@ -157,11 +165,14 @@ def _ports(desc: StackDescription, role: Role) -> list[dict[str, Any]]:
     if role.name == DOOR:  # HTTP: the API, /health and /metrics on one port
         return [{"name": "http", "containerPort": role.port, "protocol": "TCP"}]
     telemetry = desc["telemetry"]
-    return [
+    ports = [
         {"name": "grpc", "containerPort": role.port, "protocol": "TCP"},
         {"name": "health", "containerPort": telemetry["health_port"], "protocol": "TCP"},
         {"name": "metrics", "containerPort": telemetry["metrics_port"], "protocol": "TCP"},
     ]
+    if role.name == "router" and desc.door_in_router:
+        ports.append({"name": "http", "containerPort": desc.roles[DOOR].port, "protocol": "TCP"})
+    return ports
 
 
 def _scrape(desc: StackDescription, role: Role) -> dict[str, str]:
@@ -279,6 +290,8 @@ def _service(desc: StackDescription, role: Role) -> dict[str, Any]:
         "selector": labels(role.name),
         "ports": [{"name": port, "port": role.port, "targetPort": port, "protocol": "TCP"}],
     }
+    if role.name == "router" and desc.door_in_router:
+        spec["ports"].append({"name": "http", "port": desc.roles[DOOR].port, "targetPort": "http", "protocol": "TCP"})
     if role.name in POOLED:
         # Headless: one A record per ready pod, what the router's dns:/// discovery reads.
         spec |= {"clusterIP": "None", "publishNotReadyAddresses": False}
@@ -478,8 +491,10 @@ def base_files() -> dict[str, str]:
 
 
 def overlay_files(desc: StackDescription, source: str) -> dict[str, str]:
-    """deploy/k8s/overlays/<name>: one file per role (and the store), plus the kustomization."""
-    files = {f"{component(role.name)}.yaml": dump(role_documents(desc, role), source) for role in desc.roles.values()}
+    """deploy/k8s/overlays/<name>: one file per role (and the store), plus the kustomization; a
+    door in the router's process is part of the router's."""
+    roles = [role for role in desc.roles.values() if not (role.name == DOOR and desc.door_in_router)]
+    files = {f"{component(role.name)}.yaml": dump(role_documents(desc, role), source) for role in roles}
     if desc.store_enabled:
         files["store.yaml"] = dump(_store(desc), source)
     kustomization = {

@@ -11,18 +11,14 @@ two tokens of every sequence in the batch. The plan for a disaggregated stack on
   the token relay) and, in E/P/D, the prefill service with its engine on the other CPUs;
 - the encoders on every CPU at the lowest priority (nice 19, their session's too: `process.py`,
   `set_session_nice`): they take what the others leave and give way at once, so the engine's core
-  is theirs only while it idles. Before 2026-12-06 only the process's own nice was set, which the
-  kernel's session groups ignore between sessions: the encoders took an equal share of the engine's
-  core and delayed its wake-ups by milliseconds (3img, 64 clients: 3.6 ms per token, vLLM encoder);
-- at most four times the decoding engine's batch of requests inside the stack (the router's
-  `--max-running`): one batch decoding, the others being encoded, planned (and in E/P/D prefilled).
-  With encoders that give way, the deeper queue keeps their (lower priority) work going while the
-  engine decodes: 3img at 64 clients, vLLM encoder, 602 tokens/s and 1.7 ms per token against 364
-  with two batches (reference encoder: 680, 1.8 ms; 574, 2.4 ms before the fix with two batches).
-  Deeper still (eight batches) bought nothing more (vLLM encoder: 507 tokens/s). The rest wait at
-  the router, costing nothing.
+  is theirs only while it idles. The session's nice matters, not only the process's: the kernel's
+  session groups share CPU between sessions regardless of each process's own nice;
+- at most `ADMITTED_BATCHES` times the decoding engine's batch of requests inside the stack (the
+  router's `--max-running`): one batch decoding, the others being encoded, planned (and in E/P/D
+  prefilled). With encoders that give way, the deeper queue keeps their lower-priority work going
+  while the engine decodes; the rest wait at the router, costing nothing.
 
-Measured on 2 cores (docs/results/bench-vs-vllm.md, "The engine on a core of its own").
+What each choice bought, and the depths tried: docs/results/bench-vs-vllm.md.
 """
 
 from __future__ import annotations

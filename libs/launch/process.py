@@ -40,10 +40,10 @@ def set_session_nice(nice: int, attempts: int = 50) -> bool:
     Where the kernel groups tasks by session (`/proc/sys/kernel/sched_autogroup_enabled`), the CPU is
     shared between sessions first and a task's own nice counts only inside its session: a service
     started in a session of its own (`start_new_session`) at nice 19 still takes half a core from a
-    nice-0 engine in another session, and delays its wake-ups by milliseconds (measured here: 3.7 ms
-    p99). The session's nice is what ranks it against the others. Non-root writers are limited to one
-    write per 100 ms host-wide (EAGAIN): retried for up to `attempts` x 20 ms. False where the kernel
-    has no autogroups or refused; the task's own nice then is all there is."""
+    nice-0 engine in another session, and delays its wake-ups by up to a scheduler slice. The
+    session's nice is what ranks it against the others. Non-root writers are limited to one write
+    per 100 ms host-wide (EAGAIN): retried for up to `attempts` x 20 ms. False where the kernel has
+    no autogroups or refused; the task's own nice then is all there is."""
     for _ in range(attempts):
         try:
             with open("/proc/self/autogroup", "w") as f:

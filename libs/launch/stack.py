@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from libs.backends.identity import encoder_refusal, model_type, refusal
+from libs.backends.engines import encoder_refusal, model_type, refusal
 from libs.launch.placement import DECODING_ROLE, Placement
 from libs.launch.process import LaunchError, ServiceProcess, free_port
 from libs.launch.store import StoreProcesses, start_store
@@ -34,6 +34,17 @@ TLS_DIR = "tls"
 CLIENT_TOKEN = "client.token"
 
 LAYOUTS = ("colocated", "e+pd", "e/p/d")
+# Where the OpenAI door runs: in the router's process, or in a process of its own.
+DOOR_IN_ROUTER = "router"
+DOOR_PROCESS = "process"
+DOOR_PLACEMENTS = (DOOR_IN_ROUTER, DOOR_PROCESS)
+
+
+def default_door_placement(layout: str) -> str:
+    """Where the door runs unless told (`epd up`, stack descriptions, the benchmarks): in the
+    router's process, which spares every token a relay through a third process
+    (docs/openai-door.md); the colocated layout has no router, so there it is a process."""
+    return DOOR_PROCESS if layout == "colocated" else DOOR_IN_ROUTER
 
 
 @dataclass
@@ -74,14 +85,14 @@ class StackSpec:
     # an unchanged service (tests/support/gated.py holds a service's work at gates a test opens).
     run_through: dict[str, list[str]] = field(default_factory=dict)
     ready_timeout_s: float = 120.0
-    # The OpenAI-compatible HTTP door (services/openai_door) in front of the router (or the
-    # colocated service); `Stack.door_url` is its base URL.
+    # The OpenAI-compatible HTTP door (libs/door) in front of the router (or the colocated
+    # service); `Stack.door_url` is its base URL.
     openai_door: bool = False
-    # ... served by the router's own process (`--openai-port`: no gRPC hop per token) instead of a
-    # process of its own; disaggregated layouts only (the colocated service has no door of its own).
-    door_in_router: bool = False
+    # Where the door runs: "router" (the router's own process, `--openai-port`), "process" (its
+    # own, services/openai_door); empty: `default_door_placement(layout)`.
+    door_placement: str = ""
     # E+PD or E/P/D on vLLM: the decoding engine (the PD's, the decode's) alone on a CPU, the encoders
-    # at the lowest priority, the router admitting two batches (libs/launch/placement.py); 2 CPUs or more.
+    # at the lowest priority, the router admitting a few batches (libs/launch/placement.py); 2 CPUs or more.
     placement: bool = False
 
 
@@ -114,13 +125,18 @@ class Stack:
             raise ValueError("a vLLM encoder runs in a disaggregated layout (e+pd, e/p/d), not colocated")
         if spec.encoder_engine == "vllm" and (why := encoder_refusal(spec.model)) is not None:
             raise ValueError(why)
-        if spec.door_in_router and spec.layout == "colocated":
-            raise ValueError("the colocated layout has no router to serve the door: door_in_router needs e+pd or e/p/d")
+        if spec.door_placement not in ("", *DOOR_PLACEMENTS):
+            raise ValueError(f"unknown door placement {spec.door_placement!r}; expected router or process")
+        if spec.door_placement == DOOR_IN_ROUTER and spec.layout == "colocated":
+            raise ValueError(
+                "the colocated layout has no router to serve the door: door placement router needs e+pd or e/p/d"
+            )
         if spec.engine == "vllm" and spec.layout == "colocated":
             raise ValueError("the vLLM engine serves PD (E+PD) or prefill and decode (E/P/D), not the colocated layout")
         if (why := refusal(spec.engine, model_type(spec.model), spec.layout)) is not None:
             raise ValueError(why)
         self.placement = Placement.for_host(layout=spec.layout) if spec.placement else None
+        self.door_placement = spec.door_placement or default_door_placement(spec.layout)
         self.spec = spec
         self.processes: dict[str, ServiceProcess] = {}
         self.address = ""
@@ -238,7 +254,7 @@ class Stack:
                 router_args += ["--pd", ",".join(p.address for p in backends)]
             if self.store is not None:
                 router_args += ["--cache-master", self.store.master_address]
-            in_router = spec.openai_door and spec.door_in_router
+            in_router = spec.openai_door and self.door_placement == DOOR_IN_ROUTER
             if in_router:
                 port = self._port_args()[1] if spec.fixed_ports else "0"
                 router_args += ["--openai-port", port, "--model", str(spec.model)]
@@ -284,4 +300,14 @@ class Stack:
             self.down()
 
 
-__all__ = ["LAYOUTS", "LaunchError", "Stack", "StackSpec", "replica_names"]
+__all__ = [
+    "DOOR_IN_ROUTER",
+    "DOOR_PLACEMENTS",
+    "DOOR_PROCESS",
+    "LAYOUTS",
+    "LaunchError",
+    "Stack",
+    "StackSpec",
+    "default_door_placement",
+    "replica_names",
+]

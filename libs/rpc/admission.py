@@ -175,14 +175,14 @@ _second_pass: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Timer
 def _give_back(_: object) -> None:
     """After a large request: a failed call's frames, its exception and grpc's call objects form
     reference cycles that hold the request's bytes until the cyclic collector runs (with few
-    Python objects allocated per request, many requests later: the router's RSS climbed ~90 MiB
-    a request); and glibc keeps the freed receive buffers, spread over its per-thread arenas, as
-    resident memory (measured: 190-260 MiB held after one 64 MiB request, 20-150 MiB with the
-    collection alone, flat at the baseline with the trim). Costs 1-5 ms, only after such requests.
+    Python objects allocated per request, that is many requests later, so resident memory climbs
+    with each one); and glibc keeps the freed receive buffers, spread over its per-thread arenas,
+    as resident memory, which the collection alone gives back only in part and the trim returns to
+    the baseline. Costs a few milliseconds, only after such requests.
 
-    The call's done callback runs before everything that holds the request has let go (under two
-    CPU hogs an encoder held +66 MiB, one request's bytes, 10 s after six such calls had ended),
-    so one more pass follows `SECOND_PASS_S` later: one per loop however many calls end meanwhile."""
+    The call's done callback runs before everything that holds the request has let go (on a busy
+    host a request's bytes can stay held long after its call has ended), so one more pass follows
+    `SECOND_PASS_S` later: one per loop however many calls end meanwhile."""
     _reclaim()
     loop = asyncio.get_running_loop()
     if loop not in _second_pass:

@@ -42,10 +42,10 @@ def preprocessing_digest(checkpoint: Checkpoint) -> str:
 
 def fewest_exact_rows(module: torch.nn.Module, most: int = 32) -> int:
     """The fewest embedding rows an item may have for its outputs to keep their bits when its rows
-    go through `module`'s linear layers beside other items' rows, measured on this host with the
-    layers' own weights: a BLAS may multiply a product of a few rows with another kernel than a
-    tall one, in another summation order (MKL on an AVX-512 host: up to 5 rows of a 128-wide layer,
-    7 of an 8-wide one; the hosts before it kept every count). An item has at least as many rows at
+    go through `module`'s linear layers beside other items' rows: a BLAS may multiply a product of
+    a few rows with another kernel than a tall one, in another summation order, and which counts it
+    does so for depends on the host, so the count is checked at start-up with the layers' own
+    weights. An item has at least as many rows at
     every layer as in its embeddings (a merger's 2x2 groups come last). Checked up to `most` rows;
     `most + 1` if that many still differ (then nothing merges)."""
     layers: dict[tuple[int, int, bool, torch.dtype], torch.nn.Linear] = {}

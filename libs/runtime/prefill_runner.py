@@ -14,8 +14,8 @@ from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.runtime.sequence import Sequence
 
 # Tokens per chunk when a service runs a prefill in chunks (services: --prefill-chunk-tokens): a text
-# request waits at most one chunk in progress, ~0.13 s on one core of the ~100M checkpoint (256 tokens:
-# ~0.5 s, a whole 1-image prompt), and the per-forward overhead stays a few percent.
+# request waits at most one chunk in progress, short next to a whole image prompt, and the
+# per-forward overhead stays small.
 CHUNK_TOKENS = 64
 
 

@@ -8,10 +8,10 @@ decode); `TensorProducer` and `TensorConsumer` are built on it. It:
   poll() on the UCX workers' event fds (the Python API would make it spin a core); it must run so a
   peer's READ issued after a notification completes without waiting for our next poll;
 - maps the `MemoryPool` and registers it with NIXL exactly once, then takes the agent metadata
-  (the ~430-byte blob peers load; it must be taken after registration);
+  (the blob peers load; it must be taken after registration);
 - runs one service thread that sends the consumer's queued acknowledgments (`notify_soon`: woken
   at once), collects NIXL notifications (`busy_poll_s` while something is outstanding, `idle_poll_s`
-  otherwise, so an idle agent costs <1% of a core), dispatches them to the producer, runs periodic
+  otherwise, so an idle agent sleeps instead of spinning), dispatches them to the producer, runs periodic
   tasks (lease reaper) and releases quarantined slots;
 - wraps every NIXL call a transfer needs and turns NIXL exceptions into typed `TransferError`s.
 

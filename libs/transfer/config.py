@@ -20,7 +20,8 @@ class TransferConfig:
     agent_name_prefix: str = "epd"
     # Size of the registered pool, in bytes. Committed (populated) at start-up.
     pool_bytes: int = 256 * MiB
-    # Back the pool with transparent huge pages: UCX's cross-memory-attach reads run ~2x faster.
+    # Back the pool with transparent huge pages: UCX's cross-memory-attach reads run faster (fewer
+    # page walks; docs/results/transfer.md).
     huge_pages: bool = True
     # Back the pool with a memfd another process maps to write tensors in place (pool.py).
     shared_pool: bool = False
@@ -54,8 +55,8 @@ class TransferConfig:
     # UCX_NET_DEVICES: "lo" confines UCX's network transports to loopback; None leaves it alone.
     ucx_net_devices: str | None = "lo"
     # UCX_MODULES: "^ib" keeps UCX's InfiniBand modules out. Where libibverbs is installed (Mooncake
-    # needs it) but no RDMA device exists, they load anyway and crash the process at exit (SIGSEGV,
-    # measured here); reads between host processes go by CMA or TCP. None leaves it alone.
+    # needs it) but no RDMA device exists, they load anyway and crash the process at exit (SIGSEGV);
+    # reads between host processes go by CMA or TCP. None leaves it alone.
     ucx_modules: str | None = "^ib"
     # Further UCX_* / NIXL_* variables for the agent's UCX context, e.g. (("UCX_TLS", "tcp"),).
     extra_env: tuple[tuple[str, str], ...] = ()

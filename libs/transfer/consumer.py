@@ -68,7 +68,7 @@ Expectation = Mapping[str, ExpectedTensor]
 # only then backs off to sleeps (growing to a bound), so a stalled or frozen peer does not cost a
 # core. Most READs complete inside `transfer()` already; the spin covers the rest.
 _SPIN_BASE_S = 0.001
-_SPIN_BYTES_PER_S = 1e9  # well under the ~15 GB/s measured: allowance, not estimate
+_SPIN_BYTES_PER_S = 1e9  # a low allowance for the copy rate, not an estimate
 _SPIN_MAX_S = 0.25
 _FIRST_SLEEP_S = 0.0001
 _MAX_SLEEP_S = 0.001
@@ -233,7 +233,7 @@ class TensorConsumer:
         local: list[Range] = []
         remote: list[Range] = []
         # Everything returned to the caller is built now, before the READ: the copy sweeps the
-        # caches, so work done after it runs cold (measured: tensor views ~2x slower afterwards).
+        # caches, so work done after it runs on cold caches.
         for desc, offset in zip(handle.tensors, job.offsets, strict=True):
             spec = desc.spec
             job.tensors[desc.name] = view_tensor(buffer, slot.offset + base + offset, spec)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from google.protobuf import timestamp_pb2
-from zlib_ng.zlib_ng import crc32 as _crc32  # zlib's CRC-32, SIMD: ~10x zlib's speed here
+from zlib_ng.zlib_ng import crc32 as _crc32  # zlib's CRC-32, SIMD-accelerated
 
 from libs.contract.epd.v1 import tensor_pb2
 from libs.contract.errors import InvalidArgument

@@ -6,8 +6,8 @@ a registration. Called from any thread of the owning process (the allocator take
 
 Why a private anonymous mapping and not a shared-memory file: UCX reads peers' memory with
 cross-memory attach (process_vm_readv), which needs no shared mapping, and private anonymous memory
-can be backed by transparent huge pages (shmem THP is off on typical hosts); huge pages double the
-READ throughput measured here.
+can be backed by transparent huge pages (shmem THP is off on typical hosts); huge pages make UCX's
+cross-memory-attach reads faster (fewer page walks; docs/results/transfer.md).
 
 Shared pools (`shared=True`): the region is a memfd mapped MAP_SHARED instead, so another process
 of the same user can map the very same pages (`share_path`, `/proc/<pid>/fd/<n>`: gone with this

@@ -1,6 +1,8 @@
-"""The door's process: settings, the router channel, the door's server (libs/door/server.py) on a
-socket it binds (port 0 by default, like every EPD service, then `openai_door listening on
-HOST:PORT`). The router can serve the same API itself (its `--openai-port`): one process less."""
+"""The door as a process of its own (placement process): settings, the router channel, the door's
+server (libs/door/server.py) on a socket it binds (port 0 by default, like every EPD service, then
+`openai_door listening on HOST:PORT`). The default placement serves the same component from the
+router's process instead (the router's `--openai-port`, libs/door/in_process.py); this one scales
+the HTTP side apart from the router and fronts the colocated service, which has no door of its own."""
 
 from __future__ import annotations
 

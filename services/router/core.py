@@ -1,6 +1,6 @@
 """The router's orchestration: a client `GenerateRequest` -> encoder jobs -> a metadata-only
-prefill request -> a token stream, with recovery and lease clean-up. No sockets here: backends
-are the generated gRPC stubs (or test doubles with the same methods).
+prefill request -> a token stream, with recovery and lease clean-up. No sockets here: the stage
+stubs (services/router/stubs.py) are the generated gRPC stubs (or test doubles with the same methods).
 
 Flow per request, and where each part lives:
 1. validate; assign a request id when the client gave none;
@@ -38,13 +38,13 @@ from libs.contract.epd.v1 import generate_pb2, generation_pb2
 from libs.contract.validation import Limits, validate_generate_request
 from libs.rpc.coalesce import coalesced
 from libs.telemetry.stages import ATTRIBUTION
-from services.router.backends import Backends, Stages
 from services.router.cache_lookup import CacheLookup
 from services.router.dispatch import EncodeDispatch
 from services.router.encoders import EncoderPool
 from services.router.leases import Leases, RequestState
 from services.router.policy import RpcFailed
 from services.router.stages import DECODE_IN_FLIGHT_ADVERTISED, Reply, StageClients
+from services.router.stubs import Stages, StageStubs
 from services.router.transcribe import Transcriber, speech_item
 from services.router.warmup import warm_up
 
@@ -56,7 +56,7 @@ class Router:
 
     def __init__(
         self,
-        backends: Backends,
+        stubs: StageStubs,
         encoders: EncoderPool,
         limits: Limits | None = None,
         cache: CacheLookup | None = None,
@@ -65,16 +65,16 @@ class Router:
         decode_in_flight: int = DECODE_IN_FLIGHT_ADVERTISED,
     ) -> None:
         self._limits = limits or Limits()
-        self._leases = Leases(backends.lease)
+        self._leases = Leases(stubs.lease)
         self._clients = StageClients(
-            backends,
-            stages or Stages.single(backends),
+            stubs,
+            stages or Stages.one_each(stubs),
             encode_in_flight=encode_in_flight,
             decode_in_flight=decode_in_flight,
         )
         self._dispatch = EncodeDispatch(self._clients, encoders, self._leases, cache or CacheLookup(None), self._limits)
         self._transcriber = Transcriber(self._dispatch, self._clients, self._leases)
-        self._checks = backends.checks
+        self._checks = stubs.checks
 
     async def generate(
         self, request: generate_pb2.GenerateRequest, deadline: float | None = None, coalesce: bool = True

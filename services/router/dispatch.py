@@ -43,7 +43,7 @@ class EncodeDispatch:
         self, clients: StageClients, encoders: EncoderPool, leases: Leases, cache: CacheLookup, limits: Limits
     ) -> None:
         self._clients = clients
-        self._checks = clients.backends.checks
+        self._checks = clients.stubs.checks
         self._encoders = encoders
         self._leases = leases
         self._cache = cache

@@ -1,4 +1,4 @@
-"""The router's first-contact checks of its backends, with the shared peer directory.
+"""The router's first-contact checks of its peers, with the shared peer directory.
 
 Before using an encoder, the router checks that it speaks our contract major, is an encoder,
 serves the same model as prefill (or PD), and emits the embedding specs prefill consumes. Every
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 
-from libs.backends.identity import engine_of
+from libs.backends.engines import engine_of
 from libs.cache.keys import CACHED_ONLY
 from libs.contract.epd.v1 import service_info_pb2
 from libs.contract.errors import EpdError, FailedPrecondition, Unavailable
@@ -38,7 +38,7 @@ def check_engine_pair(
         )
 
 
-class BackendChecks:
+class PeerChecks:
     """First-contact checks of every member of the router's pools. The stack's model is the first
     prefill (or PD) member's that passes; every other member must serve the same one, and a KV
     cache moves only between a prefill and a decode of the same engine."""

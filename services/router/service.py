@@ -1,4 +1,6 @@
-"""gRPC adapter of the router: `GenerateService` over `Router`, plus the process entry point."""
+"""gRPC adapter of the router: `GenerateService` over `Router`, the process entry point, and with
+`--openai-port` the OpenAI door beside it (libs/door/in_process.py: the door component, handed the
+router core)."""
 
 from __future__ import annotations
 
@@ -20,19 +22,19 @@ from libs.contract.epd.v1 import (
     prefill_pb2_grpc,
     service_info_pb2,
 )
+from libs.door.in_process import Listener, with_door
 from libs.door.server import DoorHttpSettings
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission, admitted
 from libs.rpc.drain import drainer
-from libs.rpc.identity import INSTANCE_ID, SOFTWARE_VERSION
 from libs.rpc.main import ServiceParts, client_facing, service_main
 from libs.rpc.peers import PeerChannels
-from services.router.backends import Backends, Stages
+from libs.serving.service_info import INSTANCE_ID, SOFTWARE_VERSION
 from services.router.cache_lookup import CacheLookup
 from services.router.core import Router
-from services.router.handshake import BackendChecks
+from services.router.handshake import PeerChecks
 from services.router.membership import MembershipError, encoder_pool, member_pool
-from services.router.openai import with_door
+from services.router.stubs import Stages, StageStubs
 from services.router.warmup import tiny_png
 
 
@@ -108,7 +110,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     """Wire the router from settings; channels to every backend are shared through one directory."""
     if not settings.encoders:
         raise SystemExit("router: --encoders is required")
-    peers = PeerChannels()  # roles are checked per backend by BackendChecks
+    peers = PeerChannels()  # roles are checked per peer by PeerChecks
     encoder = lambda a: encoder_pb2_grpc.EncoderServiceStub(peers.channel(a))  # noqa: E731
     lease = lambda a: lease_pb2_grpc.LeaseServiceStub(peers.channel(a))  # noqa: E731
     stages = Stages()
@@ -124,10 +126,10 @@ async def setup(settings: RouterSettings) -> ServiceParts:
                 settings.decode, stage="decode", refresh_s=settings.discovery_refresh_s, peers=peers
             )
             memberships += [prefills, decodes]
-            backends = Backends(
+            stubs = StageStubs(
                 encoder=encoder,
                 lease=lease,
-                checks=BackendChecks(peers, prefill=stages.prefill, decode=stages.decode),
+                checks=PeerChecks(peers, prefill=stages.prefill, decode=stages.decode),
                 prefill=lambda a: prefill_pb2_grpc.PrefillServiceStub(peers.channel(a)),
                 decode=lambda a: decode_pb2_grpc.DecodeServiceStub(peers.channel(a)),
             )
@@ -138,10 +140,10 @@ async def setup(settings: RouterSettings) -> ServiceParts:
                 settings.pd, stage="pd", refresh_s=settings.discovery_refresh_s, peers=peers
             )
             memberships.append(pds)
-            backends = Backends(
+            stubs = StageStubs(
                 encoder=encoder,
                 lease=lease,
-                checks=BackendChecks(peers, prefill=stages.pd, decode=None),
+                checks=PeerChecks(peers, prefill=stages.pd, decode=None),
                 prefill_decode=lambda a: prefill_decode_pb2_grpc.PrefillDecodeServiceStub(peers.channel(a)),
             )
     except MembershipError as exc:
@@ -167,7 +169,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
     for each in memberships:
         each.start()
     router = Router(
-        backends,
+        stubs,
         pool,
         cache=cache,
         stages=stages,
@@ -208,7 +210,17 @@ async def setup(settings: RouterSettings) -> ServiceParts:
         # Before the server listens: launchers send traffic once it does (bounded; failures logged).
         await router.warm_up(list(pool.outstanding), tiny_png())
     parts = client_facing(parts, settings)
-    return with_door(parts, settings, router, admission) if settings.openai_port >= 0 else parts
+    if settings.openai_port < 0:
+        return parts
+    listener = Listener(
+        settings.host,
+        settings.openai_port,
+        settings.tls_cert,
+        settings.tls_key,
+        grace_s=settings.grace_s,
+        max_request_s=settings.max_request_s,
+    )
+    return with_door(parts, settings, listener, router, admission)
 
 
 def main() -> None:

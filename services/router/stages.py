@@ -43,11 +43,11 @@ from libs.contract.epd.v1 import (
 )
 from libs.contract.errors import DeadlineExceeded
 from libs.telemetry.stages import ATTRIBUTION, calls_under, phase, stage, start_phase
-from services.router.backends import Backends, Stages
 from services.router.failover import Check, Failover, remaining
 from services.router.leases import RequestState
 from services.router.policy import MEMBER_RETRIES, RpcFailed, Stage
 from services.router.pool import MemberPool
+from services.router.stubs import Stages, StageStubs
 
 _log = structlog.get_logger(__name__)
 Reply = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
@@ -116,7 +116,7 @@ class StageClients:
 
     def __init__(
         self,
-        backends: Backends,
+        stubs: StageStubs,
         stages: Stages,
         *,
         encode_in_flight: int = 64,
@@ -126,7 +126,7 @@ class StageClients:
             raise ValueError("encode_in_flight must be >= 1")
         if decode_in_flight < DECODE_IN_FLIGHT_ADVERTISED:
             raise ValueError("decode_in_flight must be >= -1 (-1: as the decode members advertise, 0: no bound)")
-        self.backends = backends
+        self.stubs = stubs
         self.stages = stages
         self.encode_in_flight = encode_in_flight
         self._encode_slots: dict[str, asyncio.Semaphore] = {}
@@ -141,7 +141,7 @@ class StageClients:
         members = list(self.stages.decode.outstanding) if self.stages.decode is not None else []
         if self._decode_in_flight > 0:
             return self._decode_in_flight * max(1, len(members))
-        advertised = [self.backends.checks.max_running(address) for address in members]
+        advertised = [self.stubs.checks.max_running(address) for address in members]
         known = [n for n in advertised if n is not None]
         if not known or 0 in known:
             return _UNBOUNDED
@@ -190,13 +190,13 @@ class StageClients:
                 "epd.encoder": address,
             },
         ) as span:
-            await self.backends.checks.encoder(address, None)
-            job.priority = self.backends.priority_for(address, priority)
+            await self.stubs.checks.encoder(address, None)
+            job.priority = self.stubs.priority_for(address, priority)
             policy = encoder_pb2.CACHE_POLICY_CACHED_ONLY if await cached() else encoder_pb2.CACHE_POLICY_UNSPECIFIED
             job.cache_policy = policy
             span.set_attribute("epd.cache.policy", encoder_pb2.CachePolicy.Name(job.cache_policy))
             async with self._encode_slot(address, deadline):
-                reply: encoder_pb2.EncodeResponse = await self.backends.encoder(address).Encode(
+                reply: encoder_pb2.EncodeResponse = await self.stubs.encoder(address).Encode(
                     job, timeout=remaining(deadline)
                 )
             return reply
@@ -210,12 +210,12 @@ class StageClients:
     ) -> AsyncGenerator[Reply, None]:
         """The reply to a request whose media parts are all encoded (`messages`), with the usage
         on the last chunk; `request` gives the sampling and the priority."""
-        if self.backends.prefill_decode is not None:
+        if self.stubs.prefill_decode is not None:
             return self._prefill_decode(messages, request, state, deadline)
         return self._split(messages, request, state, deadline)
 
     def _failover(self, pool: MemberPool | None, stage: Stage, deadline: float | None, check: Check) -> Failover:
-        assert pool is not None, f"no {stage} pool for the backends' layout"
+        assert pool is not None, f"no {stage} pool for the stubs' layout"
         return Failover(pool, stage, MEMBER_RETRIES, deadline, check)
 
     async def _prefill_decode(
@@ -225,7 +225,7 @@ class StageClients:
         state: RequestState,
         deadline: float | None,
     ) -> AsyncGenerator[Reply, None]:
-        b = self.backends
+        b = self.stubs
         assert b.prefill_decode is not None
         stub = b.prefill_decode
         pd_request = prefill_decode_pb2.PrefillDecodeRequest(
@@ -301,7 +301,7 @@ class StageClients:
         state: RequestState,
         deadline: float | None,
     ) -> tuple[prefill_pb2.PrefillResponse, str]:
-        b = self.backends
+        b = self.stubs
         assert b.prefill is not None
         stub = b.prefill
         prefill_request = prefill_pb2.PrefillRequest(
@@ -336,7 +336,7 @@ class StageClients:
         state: RequestState,
         deadline: float | None,
     ) -> AsyncGenerator[Reply, None]:
-        b = self.backends
+        b = self.stubs
         assert b.decode is not None
         stub = b.decode
         decode_request = decode_pb2.DecodeRequest(

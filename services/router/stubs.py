@@ -1,6 +1,6 @@
-"""How the router reaches its stages: stubs per address (`Backends`), the first-contact checks
+"""How the router reaches its stages: stubs per address (`StageStubs`), the first-contact checks
 every member passes before its first call (`Checks`; services/router/handshake.py's
-`BackendChecks` in the service, a double that passes everyone in tests), and the members of the
+`PeerChecks` in the service, a double that passes everyone in tests), and the members of the
 prefill, decode and PD stages (`Stages`)."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Checks(Protocol):
 
 
 @dataclass
-class Backends:
+class StageStubs:
     """How the router reaches each stage: address -> stub, for any member of that stage's pool.
     `lease(address)` reaches any producer's LeaseService."""
 
@@ -96,17 +96,18 @@ class Backends:
 @dataclass
 class Stages:
     """The members of the prefill, decode and PD stages (services/router/pool.py); a stage whose
-    stub is not in `Backends` has none. Read at each call: members may be replaced while running."""
+    stub is not in `StageStubs` has none. Read at each call: members may be replaced while running."""
 
     prefill: MemberPool | None = None
     decode: MemberPool | None = None
     pd: MemberPool | None = None
 
     @classmethod
-    def single(cls, backends: Backends) -> Stages:
-        """One member per stage the backends reach, named after the stage (tests)."""
+    def one_each(cls, stubs: StageStubs) -> Stages:
+        """One member per stage the stubs reach, its address the stage's name: the pools of a
+        `Router` given none (a core over stubs that take any address, as the test doubles do)."""
 
         def one(stage: str, stub: object) -> MemberPool | None:
             return None if stub is None else MemberPool([stage], stage=stage)
 
-        return cls(one("prefill", backends.prefill), one("decode", backends.decode), one("pd", backends.prefill_decode))
+        return cls(one("prefill", stubs.prefill), one("decode", stubs.decode), one("pd", stubs.prefill_decode))

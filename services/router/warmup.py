@@ -44,7 +44,7 @@ async def warm_up(
     outside any client trace, and as many more (encoders in turn) as every prefill, decode or PD
     member needs to see one (the pools pick each member in turn); returns the requests that
     succeeded."""
-    backends, pools = clients.backends, clients.stages
+    stubs, pools = clients.stubs, clients.stages
     warmed = 0
     media = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=image)
     stages = [p.size for p in (pools.prefill, pools.decode, pools.pd) if p is not None]
@@ -54,14 +54,14 @@ async def warm_up(
         deadline = time.monotonic() + timeout_s
         try:
             with phase("router.warm_up", **{"epd.encoder": address}):
-                await backends.checks.backend()
-                await backends.checks.encoder(address, None)
+                await stubs.checks.backend()
+                await stubs.checks.encoder(address, None)
                 job = encoder_pb2.EncodeRequest(
                     request_id=state.request_id,
                     items=[encoder_pb2.EncodeItem(item_index=0, media=media)],
                     accepted_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
                 )
-                reply = await backends.encoder(address).Encode(job, timeout=remaining(deadline))
+                reply = await stubs.encoder(address).Encode(job, timeout=remaining(deadline))
                 state.hold(reply.items[0].embeddings)
                 parts = [chat_pb2.ContentPart(encoded=reply.items[0]), chat_pb2.ContentPart(text="warm-up")]
                 request = generate_pb2.GenerateRequest(

@@ -52,7 +52,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=240,  # importing vLLM takes 10-18 s on 2 cores
+        timeout=240,  # importing vLLM is slow
     )
 
 

@@ -67,6 +67,22 @@ def test_every_epd_configuration_has_vllms_deployment_of_its_layout_as_peer() ->
 
 
 @pytest.mark.unit
+def test_epd_configurations_measure_what_epd_up_deploys(tmp_path: Path) -> None:
+    """The door where `epd up` puts it unless told (`default_door_placement`: the bench follows the
+    default); `-doorproc` the other placement."""
+    from libs.launch.stack import DOOR_PROCESS, default_door_placement
+
+    for layout in ("e+pd", "e/p/d"):
+        plain = vs_vllm.epd_spec(f"epd-{layout}-placed", tmp_path, tmp_path, 60.0)
+        assert (plain.layout, plain.openai_door, plain.placement) == (layout, True, True)
+        assert plain.door_placement == default_door_placement(layout)
+        apart = vs_vllm.epd_spec(f"epd-{layout}-doorproc", tmp_path, tmp_path, 60.0)
+        assert apart.door_placement == DOOR_PROCESS and apart.layout == layout
+    assert vs_vllm.epd_spec("epd-e+pd-vllmenc-traced", tmp_path, tmp_path, 60.0).encoder_engine == "vllm"
+    assert not [c for c in vs_vllm.CONFIGS if "uvloop" in c]
+
+
+@pytest.mark.unit
 def test_configuration_suffixes_are_read_in_any_order() -> None:
     suffixes = (vs_vllm.PLACED, vs_vllm.VLLM_ENCODER, vs_vllm.COMPILED)
     expected = ("e+pd", frozenset(suffixes))

@@ -1,6 +1,6 @@
 """CPU per image from JPEG bytes to what each encoder hands on, decoded pixels kept channels last (as
 `libs/model/media/pixels.py` does) against a channels-first copy first (the processors' own
-layout, this project's until 2026-12-07), interleaved in one run: the reference encoder's tower
+layout, the project's earlier layout), interleaved in one run: the reference encoder's tower
 rows (normalized patches) and the vLLM encoder's [H, W, 3] uint8 resized pixels.
 
     .venv/bin/python tests/benchmarks/bench_pixels.py [--images 50] [--rounds 7]

@@ -8,7 +8,7 @@
 - **unsplit**: one vLLM engine, media in;
 
 same checkpoint, same requests (one distinct image + text each), same concurrency; ratios from
-this one run. Each configuration runs alone (the host has 2 cores).
+this one run. Each configuration runs alone (they would share the host's cores).
 
     .venv/bin/python tests/benchmarks/bench_vllm.py [--family qwen2_5_vl] [--requests 16] [--concurrency 4]
 """

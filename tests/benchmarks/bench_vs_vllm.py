@@ -4,10 +4,11 @@ own E+PD, P/D split and unsplit `vllm serve`, measured by vLLM's own `vllm bench
 
 Each configuration runs alone: started, warmed up (a few requests of another seed), every point
 measured (dataset x concurrency), stopped by PID; repeats interleaved (A B C A B C ...). Output: a
-table printed, and with --out, `<out>.json` (every run), `<out>.png` and `<out>.table.md`.
+table printed, and `<out>.json` (every run), `<out>.png` and `<out>.table.md` (by default under var/;
+docs/results/bench-vs-vllm.md carries the table of the run of record).
 
     .venv/bin/python tests/benchmarks/bench_vs_vllm.py --quick
-    .venv/bin/python tests/benchmarks/bench_vs_vllm.py --repeats 3 --out docs/results/bench-vs-vllm
+    .venv/bin/python tests/benchmarks/bench_vs_vllm.py --repeats 3 --out var/bench-vs-vllm/run
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def main() -> None:
     parser.add_argument("--ready-timeout-s", type=float, default=420.0, help="per configuration start")
     parser.add_argument("--point-timeout-s", type=float, default=300.0, help="per bench serve run")
     parser.add_argument(
-        "--out", default="", help="path prefix for .json/.png/.table.md (e.g. docs/results/bench-vs-vllm)"
+        "--out",
+        default="var/bench-vs-vllm/run",
+        help="path prefix for .json/.png/.table.md, relative to the repository (default: %(default)s)",
     )
     parser.add_argument(
         "--from-json",

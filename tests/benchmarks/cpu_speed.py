@@ -19,7 +19,7 @@ import time
 
 from harness import pct  # tests/benchmarks/harness.py: this script's folder is on sys.path
 
-UNIT_ITERATIONS = 200_000  # 10-20 ms of work on a 2026 server core
+UNIT_ITERATIONS = 200_000  # a unit short enough to read second by second
 
 
 def unit() -> float:

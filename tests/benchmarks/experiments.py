@@ -1,5 +1,5 @@
 """The seed's experiments on the ~100M "small" checkpoint, as ratios against baselines measured in
-the same run (a benchmark script, not a test; pytest does not collect it). docs/results/benchmarks.md
+the same run (a benchmark script, not a test; pytest does not collect it). docs/results/experiments.md
 explains each one and what its ratio means.
 
     .venv/bin/python tests/benchmarks/experiments.py all          # make bench-all: every experiment, one table
@@ -20,7 +20,8 @@ services' --prefill-chunk-tokens vs whole.
 P4 metadata-only: image and audio throughput with prefill given metadata only vs the baseline mode
 that forwards the raw media too (prefill decodes and preprocesses it, as a non-metadata path).
 P5 reassignment: tests/benchmarks/bench_cache.py's experiment in this harness.
-Results: docs/benchmarks/<experiment>.json and .png; the table: docs/benchmarks/summary.md.
+Results: var/experiments/<experiment>.json and .png and the table summary.md (--out); the run of
+record is on docs/results/experiments.md.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from libs.telemetry.report import breakdowns
 from libs.telemetry.spans import SpanRecord, by_trace
 from libs.telemetry.tracing import configure_tracing
 
-OUT = h.ROOT / "docs" / "benchmarks"
+OUT = h.ROOT / "var" / "experiments"
 COMPUTE_SPANS = ("encoder.preprocess", "encoder.compute", "prefill.compute")
 ROWS: list[dict[str, str]] = []  # the summary table, one row per measured ratio
 
@@ -684,7 +685,7 @@ def main() -> None:
     parser.add_argument("--slo-ttft", type=float, default=6.0)
     parser.add_argument("--slo-itl", type=float, default=0.5)
     parser.add_argument("--size", choices=("tiny", "small"), default="small", help="checkpoint (tiny: smoke runs)")
-    parser.add_argument("--out", type=Path, default=h.ROOT / "docs" / "benchmarks", help="JSON, plots, summary.md")
+    parser.add_argument("--out", type=Path, default=h.ROOT / "var" / "experiments", help="JSON, plots, summary.md")
     parser.add_argument("--run-dir", type=Path, default=h.ROOT / "var" / "bench")
     ns = parser.parse_args()
     chosen = set(ns.experiments)

@@ -1,4 +1,4 @@
-"""The P4 baseline only (docs/results/benchmarks.md): prefill given the raw media besides the metadata.
+"""The P4 baseline only (docs/results/experiments.md): prefill given the raw media besides the metadata.
 
 A metadata-only prefill never sees pixels. To measure what that saves, the benchmark's stack runs
 its router and prefill through this module (`StackSpec.run_through`), which wraps the unchanged

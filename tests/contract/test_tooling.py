@@ -252,12 +252,26 @@ def test_import_layering_holds() -> None:
     assert "0 broken" in result.stdout
 
 
-def test_import_layering_catches_a_service_importing_another(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("module", "source", "reported"),
+    [
+        ("services/router/bad.py", "import services.encoder\n", "services.router.bad -> services.encoder"),
+        ("services/router/bad.py", "import services.openai_door\n", "services.router.bad -> services.openai_door"),
+        ("libs/model/bad.py", "import libs.runtime.kv\n", "libs.model.bad -> libs.runtime.kv"),
+        ("libs/cache/bad.py", "import libs.runtime.kv\n", "libs.cache.bad -> libs.runtime.kv"),
+        (
+            "libs/backends/hosting/bad.py",
+            "import libs.backends.reference\n",
+            "libs.backends.hosting.bad -> libs.backends.reference",
+        ),
+    ],
+)
+def test_import_layering_catches_a_broken_contract(tmp_path: Path, module: str, source: str, reported: str) -> None:
     copy = tmp_path / "repo"
     shutil.copytree(ROOT / "services", copy / "services", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "libs", copy / "libs", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
-    (copy / "services" / "router" / "bad.py").write_text("import services.encoder\n")
+    (copy / module).write_text(source)
     result = subprocess.run(
         [str(Path(sys.executable).parent / "lint-imports")],
         cwd=copy,
@@ -267,4 +281,4 @@ def test_import_layering_catches_a_service_importing_another(tmp_path: Path) -> 
         env={"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin"},
     )
     assert result.returncode != 0
-    assert "services.router.bad -> services.encoder" in result.stdout
+    assert reported in result.stdout

@@ -1,7 +1,7 @@
 """The door's listening socket: the connections it accepts send small writes at once (TCP_NODELAY).
 Without it a keep-alive connection (how `vllm bench serve` and the openai client connect) held a
 stream's SSE events until the client's delayed ACK and delivered them together at the end
-(measured 2026-12-02: first token at 66 ms instead of 23 ms, E+PD on vLLM, docs/openai-door.md)."""
+(docs/openai-door.md, "Streams on keep-alive connections")."""
 
 from __future__ import annotations
 

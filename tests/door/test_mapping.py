@@ -9,9 +9,6 @@ from typing import Any
 import grpc
 import pytest
 
-from libs.client.openai import chat, errors, responses, transcription
-from libs.client.openai.errors import ApiError
-from libs.client.openai.fields import parse
 from libs.contract.epd.v1 import generate_pb2, generation_pb2, media_pb2
 from libs.contract.errors import (
     DeadlineExceeded,
@@ -23,6 +20,9 @@ from libs.contract.errors import (
 )
 from libs.contract.grpc_status import ERROR_FIELD_METADATA_KEY
 from libs.contract.reasons import STATUS_DETAILS_KEY, Reason, status_details
+from libs.door.openai import chat, errors, responses, transcription
+from libs.door.openai.errors import ApiError
+from libs.door.openai.fields import parse
 
 pytestmark = pytest.mark.unit
 

@@ -25,6 +25,7 @@ from libs.launch.config import (
     role_settings,
     stack_spec,
 )
+from libs.launch.stack import DOOR_IN_ROUTER, DOOR_PLACEMENTS, DOOR_PROCESS, default_door_placement
 from tests.support.service_settings import SETTINGS
 
 STACKS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "stacks").glob("*.yaml"))
@@ -69,12 +70,15 @@ def test_the_settings_a_description_gives_are_real_settings_of_each_role(path: P
 
 @pytest.mark.unit
 def test_the_schema_offers_each_role_only_settings_it_has() -> None:
+    """A door in the router's process takes its settings as the router's: they are the router's too."""
     schema = json.loads(SCHEMA_PATH.read_text())
     roles = schema["properties"]["roles"]["properties"]
     for role, node in roles.items():
         ref = node["properties"]["settings"]["$ref"].removeprefix("#/$defs/")
         offered = set(schema["$defs"][ref]["propertyNames"]["enum"])
         assert offered <= _fields(SETTINGS[role]), f"{role}: {offered - _fields(SETTINGS[role])}"
+    in_router = set(schema["$defs"]["openai_door_settings"]["propertyNames"]["enum"]) - {"request_timeout_s"}
+    assert in_router <= _fields(SETTINGS["router"]), in_router - _fields(SETTINGS["router"])
 
 
 @pytest.mark.unit
@@ -240,8 +244,8 @@ def test_a_description_is_immutable() -> None:
 def test_epd_up_runs_a_description(tmp_path: Path) -> None:
     """`epd up --config` on a real E+PD stack: the description's settings reach the services (the
     encoder runs without checksums and advertises none), two PD replicas run and the router pools
-    them, a request is served, and the description's OpenAI door runs in front of the router with
-    its own settings."""
+    them, a request is served, and the description's OpenAI door runs where the description leaves
+    it by default, in the router's process, with its own settings."""
     import json as _json
     import os
     import re
@@ -254,7 +258,7 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
     import grpc
 
     from libs.contract.epd.v1 import service_info_pb2, service_info_pb2_grpc
-    from libs.runtime.checkpoints import ensure_checkpoint
+    from libs.model.checkpoints import ensure_checkpoint
 
     model = ensure_checkpoint("qwen2_5_omni", "tiny")
     doc = {
@@ -314,8 +318,9 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
             _json.loads(line) for line in (run_dir / "router.log").read_text().splitlines() if '"starting"' in line
         )
         assert all(pd is not None and pd.group(1) in str(router["settings"]["pd"]) for pd in pds), router["settings"]
-        # `epd up` writes the address file after the door is listening (Stack._start_door).
-        door = re.search(r"^openai_door listening on (\S+)$", (run_dir / "openai_door.log").read_text(), re.MULTILINE)
+        # `epd up` writes the address file after the door is listening (Stack.up waits for its line).
+        assert not (run_dir / "openai_door.log").exists()  # no process of its own
+        door = re.search(r"^openai_door listening on (\S+)$", (run_dir / "router.log").read_text(), re.MULTILINE)
         assert door is not None
         with urllib.request.urlopen(f"http://{door.group(1)}/health", timeout=10) as health:
             assert health.status == 200  # the router is SERVING
@@ -333,17 +338,90 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize("layout", sorted(LAYOUT_ROLES))
 def test_the_door_is_optional_in_every_layout(layout: str, tmp_path: Path) -> None:
+    """Without the role no door runs; with it the door runs where `epd up` puts it by default: in
+    the router's process, or as a process of its own in the colocated layout (no router there)."""
     roles: dict[str, Any] = {r: {} for r in LAYOUT_ROLES[layout]}
     without = parse_description(_minimal(layout=layout, roles=roles), Path("x.yaml"))
-    assert "openai_door" not in without.roles
+    assert "openai_door" not in without.roles and without.door_placement is None
     plan = stack_spec(without, run_dir=tmp_path)
     assert plan.spec.openai_door is False and "openai_door" not in plan.spec.extra_args
     with_door = parse_description(_minimal(layout=layout, roles={**roles, "openai_door": {}}), Path("x.yaml"))
     door = with_door.roles["openai_door"]
     assert (door.replicas, door.port, door.cpu, door.memory, door.settings) == (1, 8000, "1", "2Gi", {})
+    assert with_door.door_placement == default_door_placement(layout)
     spec = stack_spec(with_door, run_dir=tmp_path).spec
-    assert spec.openai_door is True
-    assert _parse_flags("openai_door", spec.extra_args["openai_door"]).grace_s == 10.0
+    assert spec.openai_door is True and spec.door_placement == default_door_placement(layout)
+    if layout == "colocated":
+        assert _parse_flags("openai_door", spec.extra_args["openai_door"]).grace_s == 10.0
+    else:
+        assert "openai_door" not in spec.extra_args  # the router's process serves it
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("placement", DOOR_PLACEMENTS)
+@pytest.mark.parametrize("layout", ["e+pd", "e/p/d"])
+def test_a_description_places_the_door_either_way(layout: str, placement: str, tmp_path: Path) -> None:
+    """`roles.openai_door.placement` reaches `StackSpec.door_placement` as `epd up
+    --door-placement` does; in the router's process the door's settings are the router's flags."""
+    roles: dict[str, Any] = {r: {} for r in LAYOUT_ROLES[layout]}
+    settings = {"served_model_name": "omni", "max_body_mib": 8}
+    roles["openai_door"] = {"placement": placement, "settings": settings}
+    desc = parse_description(_minimal(layout=layout, roles=roles), Path("x.yaml"))
+    assert desc.door_placement == placement and desc.door_in_router == (placement == DOOR_IN_ROUTER)
+    spec = stack_spec(desc, run_dir=tmp_path).spec
+    assert (spec.openai_door, spec.door_placement) == (True, placement)
+    router = _parse_flags("router", spec.extra_args["router"])
+    if placement == DOOR_IN_ROUTER:
+        assert "openai_door" not in spec.extra_args
+        assert (router.served_model_name, router.max_body_mib) == ("omni", 8)
+    else:
+        door = _parse_flags("openai_door", spec.extra_args["openai_door"])
+        assert (door.served_model_name, door.max_body_mib) == ("omni", 8)
+        assert (router.served_model_name, router.max_body_mib) == ("", 64)  # the router's own defaults
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("door", "extra", "expected"),
+    [
+        (
+            {"placement": "router"},
+            {"layout": "colocated", "roles": {"colocated": {}}},
+            "placement: router needs a router",
+        ),
+        (
+            {"placement": "router", "replicas": 2},
+            {},
+            "roles.openai_door.replicas: the door runs in the router's process",
+        ),
+        ({"memory": "1Gi"}, {}, "roles.openai_door.memory: the door runs in the router's process"),
+        (
+            {"settings": {"request_timeout_s": 30}},
+            {},
+            "roles.openai_door.settings.request_timeout_s: the door runs in the router's process (placement router): "
+            "roles.router.settings.max_request_s applies",
+        ),
+        ({"settings": {"log_level": "debug"}}, {}, "roles.openai_door.settings.log_level: the door runs in the router"),
+        ({}, {"kubernetes": {"openai_door_service_type": "LoadBalancer"}}, "kubernetes.openai_door_service_type: the"),
+        ({"port": 50051}, {}, "roles.openai_door.port: 50051 is also roles.router.port"),
+        ({"port": 9090}, {}, "roles.openai_door.port: 9090 is also telemetry.metrics_port"),
+        (
+            {"placement": "elsewhere"},
+            {},
+            "roles.openai_door.placement: 'elsewhere' is not one of ['router', 'process']",
+        ),
+    ],
+)
+def test_a_door_in_the_router_takes_nothing_only_a_process_has(
+    door: dict[str, Any], extra: dict[str, Any], expected: str
+) -> None:
+    doc = _minimal(**extra)
+    doc["roles"]["openai_door"] = door
+    assert expected in _error(doc)
+    if "placement" not in door and not extra:  # as a process of its own the same is fine
+        parse_description(
+            {**doc, "roles": {**doc["roles"], "openai_door": {**door, "placement": "process"}}}, Path("x")
+        )
 
 
 @pytest.mark.unit
@@ -360,7 +438,7 @@ def test_the_door_settings_reach_its_flags(tmp_path: Path) -> None:
         "request_timeout_s": 30,
     }
     doc = _minimal(drain={"grace_s": 7})
-    doc["roles"]["openai_door"] = {"replicas": 2, "settings": settings}
+    doc["roles"]["openai_door"] = {"placement": "process", "replicas": 2, "settings": settings}
     plan = stack_spec(parse_description(doc, Path("x.yaml")), run_dir=tmp_path)
     args = plan.spec.extra_args["openai_door"]
     assert "--model" not in args and "--router" not in args
@@ -403,7 +481,9 @@ def test_epd_up_flags_and_a_stack_refuse_whisper_split_on_vllm(tmp_path: Path) -
 
 
 @pytest.mark.unit
-def test_the_door_in_the_router_needs_a_router_and_no_description(tmp_path: Path) -> None:
+def test_epd_ups_door_placement_flag_maps_to_the_stack(tmp_path: Path) -> None:
+    """`--door-placement` is `StackSpec.door_placement`; left out, the router's process (the
+    colocated layout's door is a process: no router); a description says it itself."""
     from libs.cli.main import _spec, build_parser
     from libs.launch.stack import Stack, StackSpec
 
@@ -412,14 +492,22 @@ def test_the_door_in_the_router_needs_a_router_and_no_description(tmp_path: Path
     def spec(*flags: str) -> StackSpec:
         return _spec(build_parser().parse_args(["up", "--model", str(tmp_path), "--run-dir", str(tmp_path), *flags]))
 
-    assert spec("--layout", "e+pd", "--door-in-router").door_in_router
-    assert not spec("--layout", "e+pd").door_in_router  # the door as a process of its own by default
-    with pytest.raises(SystemExit, match="--door-in-router needs a router"):
-        spec("--layout", "colocated", "--door-in-router")
-    with pytest.raises(SystemExit, match="--door-in-router cannot be combined with --config"):
-        spec("--config", str(tmp_path / "stack.yaml"), "--door-in-router")
-    with pytest.raises(ValueError, match="door_in_router needs e\\+pd or e/p/d"):
-        Stack(StackSpec(layout="colocated", model=tmp_path, run_dir=tmp_path, openai_door=True, door_in_router=True))
+    for layout in ("e+pd", "e/p/d"):
+        assert spec("--layout", layout).door_placement == DOOR_IN_ROUTER == default_door_placement(layout)
+        assert spec("--layout", layout, "--door-placement", "router").door_placement == DOOR_IN_ROUTER
+        assert spec("--layout", layout, "--door-placement", "process").door_placement == DOOR_PROCESS
+    assert spec("--layout", "colocated").door_placement == DOOR_PROCESS
+    with pytest.raises(SystemExit, match="--door-placement router needs a router"):
+        spec("--layout", "colocated", "--door-placement", "router")
+    with pytest.raises(SystemExit, match="--door-placement cannot be combined with --config"):
+        spec("--config", str(tmp_path / "stack.yaml"), "--door-placement", "process")
+    with pytest.raises(ValueError, match="door placement router needs e\\+pd or e/p/d"):
+        Stack(
+            StackSpec(layout="colocated", model=tmp_path, run_dir=tmp_path, openai_door=True, door_placement="router")
+        )
+    with pytest.raises(ValueError, match="unknown door placement 'sidecar'"):
+        Stack(StackSpec(layout="e+pd", model=tmp_path, run_dir=tmp_path, openai_door=True, door_placement="sidecar"))
+    assert Stack(StackSpec(layout="e+pd", model=tmp_path, run_dir=tmp_path)).door_placement == DOOR_IN_ROUTER
 
 
 @pytest.mark.unit

@@ -202,9 +202,15 @@ def test_manifests_agree_with_the_services_settings(description: Path) -> None:
         assert container["env"][0]["name"] == "EPD_HOST"
         assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"grpc": settings.port, "health": settings.health_port, "metrics": settings.metrics_port}
+        expected = {"grpc": settings.port, "health": settings.health_port, "metrics": settings.metrics_port}
+        door_here = role == "router" and desc.door_in_router
+        if door_here:  # the door's HTTP port, its readiness (test_a_door_in_the_router_* below)
+            expected["http"] = settings.openai_port
+        assert ports == expected
         assert settings.host == "10.1.2.3"  # from the pod, not the ConfigMap
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        for probe in (
+            ("startupProbe", "livenessProbe") if door_here else ("startupProbe", "readinessProbe", "livenessProbe")
+        ):
             assert container[probe]["grpc"] == {"port": settings.health_port}, (role, probe)
         annotations = deployments[name]["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == str(settings.metrics_port)
@@ -305,7 +311,7 @@ def test_the_door_manifests_agree_with_its_settings(description: Path) -> None:
     (or colocated service's) Service as --router, the model path as --model, its own settings."""
     desc = load_description(description)
     overlay = K8S / "overlays" / desc.name
-    if "openai_door" not in desc.roles:
+    if desc.door_placement != "process":
         assert not (overlay / "openai-door.yaml").exists()
         return
     docs = list(documents((overlay / "openai-door.yaml").read_text()))
@@ -346,7 +352,11 @@ def test_the_door_renders_in_every_layout_with_tls(layout: str) -> None:
     """With TLS the door gets its certificate (CN epd-openai-door), the clients' token secret and
     HTTPS probes and scrape; in front of a colocated service it calls that service's Service."""
     roles: dict[str, Any] = {"colocated": {}} if layout == "colocated" else {"router": {}, "encoder": {}, "pd": {}}
-    roles["openai_door"] = {"port": 8443, "settings": {"fetch_allow_private": True, "max_body_mib": 8}}
+    roles["openai_door"] = {
+        "placement": "process",
+        "port": 8443,
+        "settings": {"fetch_allow_private": True, "max_body_mib": 8},
+    }
     doc = {
         "version": 1,
         "name": "door",
@@ -382,3 +392,60 @@ def yaml_resources(text: str) -> list[str]:
     (kustomization,) = documents(text)
     resources: list[str] = kustomization["resources"]
     return resources
+
+
+def _router(docs: list[dict[str, Any]]) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The router's parsed settings (its own loader), pod template, container and Service spec."""
+    settings = _settings("router", _by_kind(docs, "ConfigMap")["epd-router"]["data"])
+    pod = _by_kind(docs, "Deployment")["epd-router"]["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    return settings, pod, container, _by_kind(docs, "Service")["epd-router"]["spec"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize("layout", ["e+pd", "e/p/d"])
+def test_a_door_in_the_router_renders_as_the_routers_port(layout: str, tls: bool) -> None:
+    """placement router: no door Deployment, Service or ConfigMap; the router's ConfigMap carries
+    the door's port and settings (its own loader reads them), its pod and Service the HTTP port,
+    its readiness the door's /health (HTTPS with TLS), its scrape annotation its metrics port,
+    where the door's instruments are too. placement process renders the door's own files."""
+    roles: dict[str, Any] = {
+        r: {} for r in ("router", "encoder", *(("pd",) if layout == "e+pd" else ("prefill", "decode")))
+    }
+    settings = {"served_model_name": "omni", "fetch_allow_private": True, "max_body_mib": 8}
+    roles["openai_door"] = {"port": 8080, "settings": settings}
+    roles["router"] = {"settings": {"max_request_s": 120}}
+    doc = {"version": 1, "name": "door", "layout": layout, "roles": roles, "tls": {"enabled": tls}}
+    desc = parse_description(doc, Path("door.yaml"))
+    assert desc.door_in_router  # the default placement
+    files = overlay_files(desc, "door.yaml")
+    assert "openai-door.yaml" not in files and "openai-door.yaml" not in yaml_resources(files["kustomization.yaml"])
+    docs = [d for text in files.values() for d in documents(text)]
+    for d in docs:
+        _validate(d)
+    assert not any(d.get("metadata", {}).get("name") == "epd-openai-door" for d in docs)
+    router, pod, container, service = _router(docs)
+    assert (router.openai_port, str(router.model), router.max_request_s) == (8080, desc["model"]["path"], 120.0)
+    for key, value in settings.items():
+        assert getattr(router, key) == value, key
+    assert {"name": "http", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    assert {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"} in service["ports"]
+    assert service["ports"][0] == {"name": "grpc", "port": router.port, "targetPort": "grpc", "protocol": "TCP"}
+    assert service["type"] == desc["kubernetes"]["router_service_type"]
+    readiness = container["readinessProbe"]["httpGet"]
+    assert readiness == {"path": "/health", "port": "http", "scheme": "HTTPS" if tls else "HTTP"}
+    assert container["livenessProbe"]["grpc"] == {"port": router.health_port}
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(router.metrics_port)
+    if tls:  # the router's certificate and the clients' tokens serve the door too
+        assert (
+            str(router.tls_cert) == "/etc/epd/tls/tls.crt" and str(router.auth_tokens_file) == "/etc/epd/tokens/tokens"
+        )
+
+    roles["openai_door"] = {**roles["openai_door"], "placement": "process"}
+    apart = parse_description({**doc, "roles": roles}, Path("door.yaml"))
+    files = overlay_files(apart, "door.yaml")
+    assert "openai-door.yaml" in yaml_resources(files["kustomization.yaml"])
+    router, _, container, service = _router([d for text in files.values() for d in documents(text)])
+    assert router.openai_port == -1 and all(p["name"] != "http" for p in [*container["ports"], *service["ports"]])
+    assert "grpc" in container["readinessProbe"]

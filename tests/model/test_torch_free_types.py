@@ -1,4 +1,4 @@
-"""The shared type vocabulary loads without torch (4-5 s to import here): the router, the cache
+"""The shared type vocabulary loads without torch (slow to import): the router, the cache
 keys and the failure reasons use it in processes that never run a model."""
 
 from __future__ import annotations
@@ -10,7 +10,14 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-TORCH_FREE = ("libs.model.types", "libs.model.errors", "libs.model.content", "libs.cache.keys", "libs.contract.reasons", "services.router.service")
+TORCH_FREE = (
+    "libs.model.types",
+    "libs.model.errors",
+    "libs.model.content",
+    "libs.cache.keys",
+    "libs.contract.reasons",
+    "services.router.service",
+)
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

@@ -1,6 +1,6 @@
 """Router core without sockets: job splitting, metadata-only prefill requests, encoder choice,
 retries, and lease release on every failure path (cache-aware routing: test_cache_routing.py).
-Backends are test doubles with the generated stubs' call shapes; tests/services exercise the real
+StageStubs are test doubles with the generated stubs' call shapes; tests/services exercise the real
 services."""
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from libs.contract.epd.v1 import (
 )
 from libs.contract.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from libs.contract.validation import RAW_PROMPT_CAPABILITY, SAMPLING_CAPABILITY
-from services.router.backends import Backends
 from services.router.core import Router
 from services.router.encoders import EncoderPool
 from services.router.failover import ANSWER_MARGIN_S
 from services.router.policy import RpcFailed
 from services.router.pool import MemberPool
 from services.router.stages import Slots
+from services.router.stubs import StageStubs
 from tests.support.router_checks import PassingChecks
 from tests.support.router_harness import Encoder, Harness, Leases, StreamCall, image_request, rpc_error
 
@@ -342,7 +342,7 @@ def test_e_plus_pd_layout() -> None:
     log: list[tuple[str, int]] = []
     pd = PD()
     router = Router(
-        Backends(
+        StageStubs(
             encoder=lambda a: Encoder(a, log), lease=Leases().stub, checks=PassingChecks(), prefill_decode=lambda a: pd
         ),
         EncoderPool(["e"]),

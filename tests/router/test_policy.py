@@ -96,7 +96,7 @@ def test_a_reasoned_embedding_gone_reencodes_without_trying_another_prefill(monk
         stub.Prefill = call
         return stub
 
-    h.backends.prefill = prefill_for
+    h.stubs.prefill = prefill_for
     assert asyncio.run(h.tokens(image_request(1))) == [7, 8, 9]
     assert len(h.log) == 2 and len(tried) == 2  # re-encoded once; no member retry in between
     assert members.outstanding == dict.fromkeys(["p0:1", "p1:1"], 0)

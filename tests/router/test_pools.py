@@ -16,10 +16,10 @@ import pytest
 from libs.contract.epd.v1 import decode_pb2, generation_pb2, prefill_decode_pb2, prefill_pb2
 from libs.contract.errors import FailedPrecondition, Unavailable
 from libs.rpc.retry import DRAINING
-from services.router.backends import Backends, Stages
 from services.router.core import Router
 from services.router.encoders import EncoderPool
 from services.router.pool import MemberPool
+from services.router.stubs import Stages, StageStubs
 from tests.support import samples
 from tests.support.router_checks import PassingChecks
 from tests.support.router_harness import Encoder, Leases, StreamCall, image_request, rpc_error
@@ -108,7 +108,7 @@ class Pools:
         self.leases = Leases()
         self.checked: list[tuple[str, ...]] = []
         self.checks = PassingChecks()
-        self.backends = Backends(
+        self.stubs = StageStubs(
             encoder=lambda a: Encoder(a, self.log),
             lease=self.leases.stub,
             checks=self.checks,
@@ -116,7 +116,7 @@ class Pools:
             decode=self.decodes.__getitem__,
         )
         self.stages = Stages(MemberPool(list(self.prefills), stage="prefill"), MemberPool(list(self.decodes)))
-        self.router = Router(self.backends, EncoderPool(["enc0"]), stages=self.stages)
+        self.router = Router(self.stubs, EncoderPool(["enc0"]), stages=self.stages)
 
     async def tokens(self, images: int = 1) -> list[int]:
         return [t async for r in self.router.generate(image_request(images)) for t in r.chunk.token_ids]
@@ -229,7 +229,7 @@ def test_pd_pool_spreads_and_retries_a_refusal_before_the_first_token() -> None:
     members = {"pd0:1": PD("pd0:1"), "pd1:1": PD("pd1:1"), "pd2:1": PD("pd2:1", refuse=True)}
     log: list[tuple[str, int]] = []
     router = Router(
-        Backends(
+        StageStubs(
             encoder=lambda a: Encoder(a, log),
             lease=Leases().stub,
             checks=PassingChecks(),

@@ -23,9 +23,9 @@ from libs.contract.epd.v1 import (
     prefill_pb2,
     service_info_pb2,
 )
-from services.router.backends import Backends
 from services.router.core import Router
 from services.router.encoders import EncoderPool
+from services.router.stubs import StageStubs
 from tests.support import samples
 from tests.support.router_checks import PassingChecks
 from tests.support.router_harness import Leases, StreamCall
@@ -96,7 +96,7 @@ class SpeechDecode:
 
 def _stack() -> tuple[Router, SpeechEncoder, SpeechPrefill, Leases]:
     encoder, prefill, leases = SpeechEncoder(), SpeechPrefill(), Leases()
-    backends = Backends(
+    backends = StageStubs(
         encoder=lambda address: encoder,
         lease=leases.stub,
         checks=PassingChecks(service_info_pb2.ServiceInfo(transcription=SPEC)),

@@ -1,6 +1,6 @@
-"""The P4 benchmark's baseline stack (docs/results/benchmarks.md) against real services: its router and
-prefill run through the bench-only wrapper (tests/benchmarks/raw_media.py), so prefill gets each item's
-raw media besides the metadata, decodes and preprocesses it, and still serves the model's own
+"""The P4 benchmark's baseline stack (docs/results/experiments.md) against real services: its router
+and prefill run through the bench-only wrapper (tests/benchmarks/raw_media.py), so prefill gets each
+item's raw media besides the metadata, decodes and preprocesses it, and still serves the model's own
 tokens; the stacks of every other test run the services without it."""
 
 from __future__ import annotations

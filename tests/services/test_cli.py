@@ -135,7 +135,7 @@ def test_epd_up_generate_and_trace_report(model_path: Path, tmp_path: Path) -> N
     listening = re.search(r"^router listening on \S+ +\(e\+pd; (.*); logs in", out, re.MULTILINE)
     assert listening is not None, out
     pids = {name: int(pid) for name, pid in (p.rsplit(" ", 1) for p in listening.group(1).split(", "))}
-    assert set(pids) == {"encoder-0", "pd", "router", "openai_door"}  # the door starts beside the router
+    assert set(pids) == {"encoder-0", "pd", "router"}  # the door in the router's process: the default
     assert re.search(r"^OpenAI-compatible API at http://\S+/v1  \(model ", out, re.MULTILINE), out
     statuses = re.search(r"^stopped: (\{.*\})$", out, re.MULTILINE)
     assert statuses is not None and set(re.findall(r": (-?\d+|None)", statuses.group(1))) == {"0"}, out

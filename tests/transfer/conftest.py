@@ -1,6 +1,6 @@
 """Fixtures of the transfer tests: a producer in another process, a consumer agent in this one.
 
-Both are started once per session (a process start costs ~2 s) and checked after every test that
+Both are started once per session (a process start is slow) and checked after every test that
 uses them: the consumer's pool must be back to empty and the producer must hold no lease, so a
 test that leaks a slot fails itself, not a later one.
 """

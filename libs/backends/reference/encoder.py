@@ -45,7 +45,7 @@ from libs.serving.transport import Transport, transfer_config
 from libs.telemetry.stages import stage
 
 # An item's embeddings up to this size are copied into the pool on the event loop: a hop to the
-# transfer threads and back costs more (milliseconds on a loaded host) than copying them (~50 us).
+# transfer threads and back costs more than copying a small item.
 LOOP_PUT_BYTES = 1 << 20
 
 

@@ -6,10 +6,10 @@ from typing import Annotated, Literal
 
 import pydantic
 
-from libs.client.openai.errors import invalid
-from libs.client.openai.fields import Body
-from libs.client.openai.sampling import SamplingFields
 from libs.contract.epd.v1 import chat_pb2, generate_pb2, media_pb2
+from libs.door.openai.errors import invalid
+from libs.door.openai.fields import Body
+from libs.door.openai.sampling import SamplingFields
 
 
 class ImageUrl(Body):

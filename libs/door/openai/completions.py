@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pydantic
 
-from libs.client.openai.chat import StreamOptions
-from libs.client.openai.errors import invalid
-from libs.client.openai.sampling import SamplingFields
 from libs.contract.epd.v1 import chat_pb2, generate_pb2
+from libs.door.openai.chat import StreamOptions
+from libs.door.openai.errors import invalid
+from libs.door.openai.sampling import SamplingFields
 
 
 class CompletionRequest(SamplingFields):

@@ -8,7 +8,7 @@ from typing import Any
 
 import pydantic
 
-from libs.client.openai.errors import ApiError, invalid
+from libs.door.openai.errors import ApiError, invalid
 
 
 class Body(pydantic.BaseModel):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pydantic
 
-from libs.client.openai.errors import invalid
-from libs.client.openai.fields import Body
 from libs.contract.epd.v1 import sampling_pb2
+from libs.door.openai.errors import invalid
+from libs.door.openai.fields import Body
 
 MAX_N = 16  # choices per request: each is one Generate call
 

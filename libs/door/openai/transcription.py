@@ -9,9 +9,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from libs.client.openai.errors import invalid
 from libs.client.transcribe import audio_item, transcription_request
 from libs.contract.epd.v1 import generate_pb2
+from libs.door.openai.errors import invalid
 
 FORMATS = ("json", "text", "verbose_json")
 FIELDS = ("file", "model", "language", "prompt", "response_format", "temperature", "timestamp_granularities[]")

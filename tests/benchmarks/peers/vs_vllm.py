@@ -3,18 +3,18 @@ measured by vLLM's own client (`vllm bench serve`), each configuration alone on 
 
 Configurations (same checkpoint, same requests: `bench serve --seed`):
 
-- `epd-e+pd`, `epd-e/p/d`: EPD on vLLM (the reference encoder) behind its OpenAI door, served by
-  the router's process (`--openai-port`); `epd-e+pd-vllmenc`, `epd-e/p/d-vllmenc`: the same with
-  the encoder on vLLM too (`services/encoder --engine vllm`); `epd-e+pd-doorproc`,
-  `epd-e/p/d-doorproc`: the door as a process of its own (`services/openai_door`, before 2026-12-04);
-  `epd-e+pd-uvloop`, `epd-e/p/d-uvloop`: every EPD service on uvloop's event loop (as vLLM's server);
+- `epd-e+pd`, `epd-e/p/d`: EPD on vLLM (the reference encoder) behind its OpenAI door, placed
+  where `epd up` places it (`default_door_placement`, libs/launch/stack.py: the router's process);
+  `epd-e+pd-vllmenc`, `epd-e/p/d-vllmenc`: the same with the encoder on vLLM too
+  (`services/encoder --engine vllm`); `epd-e+pd-doorproc`, `epd-e/p/d-doorproc`: the other
+  placement, the door as a process of its own (`epd up --door-placement process`);
   `epd-e/p/d-dgate`: the router starts no prefill its decode has no slot for, told the decode's
   batch (`--decode-in-flight 8`; since contract 1.7 the router's default reads the same bound from
   the decode); `epd-e/p/d-nogate`: no such bound (`--decode-in-flight 0`, the default before 1.7);
   `epd-e+pd-unbatched`, `epd-e+pd-vllmenc-unbatched`: the PD letting every request into vLLM as it
-  arrives (`--prefill-batch-steps 0`, the default before 2026-12-05), not in rounds;
+  arrives (`--prefill-batch-steps 0`, the earlier default), not in rounds;
   `epd-e+pd-fixedchunks`: the PD prefilling prompts in chunks of `--prefill-chunk-tokens` whatever
-  the load (`--no-prefill-chunk-fair-share`, the default before 2026-12-05), not whole when few
+  the load (`--no-prefill-chunk-fair-share`, the earlier default), not whole when few
   requests share the step;
   `epd-e+pd-placed`, `epd-e+pd-vllmenc-placed`, `epd-e/p/d-placed`, `epd-e/p/d-vllmenc-placed`: the
   stack placed on the host (libs/launch/placement.py: the decoding engine alone on a CPU);
@@ -38,11 +38,11 @@ Configurations (same checkpoint, same requests: `bench serve --seed`):
 - `...-compiled` (`vllm-e+pd-compiled`, `vllm-e/p/d-compiled`, `vllm-unsplit-compiled`, and the
   EPD ones): the engines that run the language model compiled by vLLM (`--no-enforce-eager`,
   vLLM's own default; its EPD examples deploy `--enforce-eager`, so `vllm-e+pd` runs eager). EPD's
-  services compile by default since 2026-12-06 (every EPD configuration ran eager before); for EPD
-  the suffix only names it. Encoders run eager on both sides. Ratios are given against the peer
+  services compile by default (every EPD configuration ran eager before); for EPD the suffix only
+  names it. Encoders run eager on both sides. Ratios are given against the peer
   as documented and against it compiled, and against one unsplit `vllm serve` both ways;
 - `epd-e/p/d-placed-eager`, `epd-e+pd-placed-eager`: EPD's language-model engines eager (`--enforce-eager`,
-  EPD's default before 2026-12-06); `epd-e/p/d-placed-prefilleager`, `epd-e/p/d-placed-decodeeager`:
+  EPD's earlier default); `epd-e/p/d-placed-prefilleager`, `epd-e/p/d-placed-decodeeager`:
   only the prefill service's engine, or only the decode's: what compiling buys or costs per role.
 
 Suffixes combine in any order (`epd-e+pd-vllmenc-placed-compiled`).
@@ -70,14 +70,15 @@ from typing import Any
 
 from libs.launch.placement import Placement
 from libs.launch.process import ROOT, ServiceProcess, free_port
-from libs.launch.stack import Stack, StackSpec
+from libs.launch.stack import DOOR_PROCESS as DOOR_PROCESS_PLACEMENT
+from libs.launch.stack import Stack, StackSpec, default_door_placement
 
 VLLM_CLI = "tests.benchmarks.peers.vllm_cli"  # vLLM's own CLI, run as a module (its console script is not installed)
 
 CONFIGS = (
     "epd-e+pd", "epd-e+pd-vllmenc", "vllm-e+pd", "vllm-unsplit", "epd-e/p/d", "epd-e/p/d-vllmenc", "vllm-e/p/d",
     "vllm-e+pd-uni", "vllm-e/p/d-uni", "vllm-unsplit-uni", "epd-e+pd-doorproc", "epd-e/p/d-doorproc",
-    "epd-e+pd-uvloop", "epd-e/p/d-uvloop", "epd-e/p/d-dgate", "epd-e+pd-traced", "epd-e/p/d-traced",
+    "epd-e/p/d-dgate", "epd-e+pd-traced", "epd-e/p/d-traced",
     "epd-e/p/d-nogate", "epd-e+pd-vllmenc-traced", "epd-e+pd-unbatched", "epd-e+pd-vllmenc-unbatched",
     "epd-e+pd-fixedchunks", "epd-e+pd-placed", "epd-e+pd-vllmenc-placed", "vllm-e+pd-placed",
     "epd-e/p/d-placed", "epd-e/p/d-vllmenc-placed",
@@ -95,8 +96,7 @@ MATRIX = (
 )  # fmt: skip
 ONE_PROCESS = "-uni"  # suffix: vLLM's servers with the model inside EngineCore (no Worker process)
 VLLM_ENCODER = "-vllmenc"  # suffix: EPD's encoder on vLLM too
-DOOR_PROCESS = "-doorproc"  # suffix: EPD's door as a process of its own (else the router serves it)
-UVLOOP = "-uvloop"  # suffix: every EPD service on uvloop's event loop (`--event-loop uvloop`)
+DOOR_PROCESS = "-doorproc"  # suffix: EPD's door as a process of its own (else placed as `epd up` places it)
 DECODE_GATE = "-dgate"  # suffix: the router starts no prefill its decode has no slot for (`--decode-in-flight`)
 NO_DECODE_GATE = "-nogate"  # suffix: prefills run ahead of decode (`--decode-in-flight 0`)
 TRACED = "-traced"  # suffix: every EPD service records its spans (JSONL exporter)
@@ -107,10 +107,10 @@ FIXED_CHUNKS = "-fixedchunks"  # suffix: the PD prefills 64-token chunks at any 
 PLACED = "-placed"
 # suffix: the engines that run the language model (PD's; prefill's and decode's) compiled by vLLM
 # (`--no-enforce-eager`: vLLM's own default, its EPD examples deploy `--enforce-eager`; EPD's services'
-# default since 2026-12-06, so for EPD the suffix only names it); encoders stay eager
+# default too, so for EPD the suffix only names it); encoders stay eager
 COMPILED = "-compiled"
 # suffixes: the prefill service's engine, the decode's, or every language-model engine run eager
-# (`--enforce-eager`, EPD's default before 2026-12-06): which role's compiled graph costs what
+# (`--enforce-eager`, EPD's earlier default): which role's compiled graph costs what
 PREFILL_EAGER = "-prefilleager"
 DECODE_EAGER = "-decodeeager"
 EAGER = "-eager"
@@ -120,7 +120,7 @@ PEERS = {
     "epd-e+pd": "vllm-e+pd", "epd-e+pd-vllmenc": "vllm-e+pd",
     "epd-e/p/d": "vllm-e/p/d", "epd-e/p/d-vllmenc": "vllm-e/p/d",
     "epd-e+pd-doorproc": "vllm-e+pd", "epd-e/p/d-doorproc": "vllm-e/p/d",
-    "epd-e+pd-uvloop": "vllm-e+pd", "epd-e/p/d-uvloop": "vllm-e/p/d", "epd-e/p/d-dgate": "vllm-e/p/d",
+    "epd-e/p/d-dgate": "vllm-e/p/d",
     "epd-e+pd-traced": "vllm-e+pd", "epd-e/p/d-traced": "vllm-e/p/d", "epd-e/p/d-nogate": "vllm-e/p/d",
     "epd-e+pd-vllmenc-traced": "vllm-e+pd",
     "epd-e+pd-unbatched": "vllm-e+pd", "epd-e+pd-vllmenc-unbatched": "vllm-e+pd",
@@ -499,7 +499,7 @@ class Deployment:
 
 
 # EPD's configuration suffixes, in the order `deployed` reads them
-EPD_SUFFIXES = (DOOR_PROCESS, UVLOOP, DECODE_GATE, NO_DECODE_GATE, TRACED, UNBATCHED, FIXED_CHUNKS, PLACED,
+EPD_SUFFIXES = (DOOR_PROCESS, DECODE_GATE, NO_DECODE_GATE, TRACED, UNBATCHED, FIXED_CHUNKS, PLACED,
                 VLLM_ENCODER, COMPILED, PREFILL_EAGER, DECODE_EAGER, EAGER)  # fmt: skip
 
 
@@ -512,33 +512,40 @@ def without_suffixes(name: str, suffixes: Sequence[str]) -> tuple[str, frozenset
     return name, frozenset(found)
 
 
+def epd_spec(config: str, model: Path, run_dir: Path, ready_timeout_s: float) -> StackSpec:
+    """The stack of an `epd-*` configuration: EPD as `epd up` starts it (its door where `epd up`
+    places it by default, `default_door_placement`), with the configuration's suffixes applied."""
+    layout, flags = without_suffixes(config.removeprefix("epd-"), EPD_SUFFIXES)
+    (door_process, gate, no_gate, traced, unbatched, fixed_chunks, placed, vllm_encoder, compiled,
+     prefill_eager, decode_eager, eager) = (s in flags for s in EPD_SUFFIXES)  # fmt: skip
+    env: dict[str, str] = {}
+    in_flight = str(DECODE_SLOTS) if gate else "0" if no_gate else None
+    service_args = {"router": ["--decode-in-flight", in_flight]} if in_flight is not None else {}
+    if unbatched:
+        service_args["pd"] = ["--prefill-batch-steps", "0"]
+    if fixed_chunks:
+        service_args["pd"] = [*service_args.get("pd", []), "--no-prefill-chunk-fair-share"]
+    for role, role_eager in (("pd", eager), ("prefill", eager or prefill_eager), ("decode", eager or decode_eager)):
+        if role_eager or compiled:
+            mode = "--enforce-eager" if role_eager else "--no-enforce-eager"
+            service_args[role] = [*service_args.get(role, []), mode]
+    if traced:
+        env |= {"EPD_TRACE_EXPORTER": "jsonl", "EPD_TRACE_FILE": str(run_dir / "spans.jsonl")}
+    return StackSpec(layout=layout, encoders=1, model=model, run_dir=run_dir, engine="vllm",
+                     encoder_engine="vllm" if vllm_encoder else "reference",
+                     ready_timeout_s=ready_timeout_s, openai_door=True,
+                     door_placement=DOOR_PROCESS_PLACEMENT if door_process else default_door_placement(layout),
+                     env=env, placement=placed, extra_args=service_args)  # fmt: skip
+
+
 @contextlib.contextmanager
 def deployed(config: str, model: Path, run_dir: Path, engine: Engine, ready_timeout_s: float) -> Iterator[Deployment]:
     """Start one configuration, yield it ready, stop every process it started (by PID)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     name = model.name
     if config.startswith("epd-"):
-        layout, flags = without_suffixes(config.removeprefix("epd-"), EPD_SUFFIXES)
-        (door_process, uvloop, gate, no_gate, traced, unbatched, fixed_chunks, placed, vllm_encoder, compiled,
-         prefill_eager, decode_eager, eager) = (s in flags for s in EPD_SUFFIXES)  # fmt: skip
-        env = {"EPD_EVENT_LOOP": "uvloop"} if uvloop else {}
-        in_flight = str(DECODE_SLOTS) if gate else "0" if no_gate else None
-        service_args = {"router": ["--decode-in-flight", in_flight]} if in_flight is not None else {}
-        if unbatched:
-            service_args["pd"] = ["--prefill-batch-steps", "0"]
-        if fixed_chunks:
-            service_args["pd"] = [*service_args.get("pd", []), "--no-prefill-chunk-fair-share"]
-        for role, role_eager in (("pd", eager), ("prefill", eager or prefill_eager), ("decode", eager or decode_eager)):
-            if role_eager or compiled:
-                mode = "--enforce-eager" if role_eager else "--no-enforce-eager"
-                service_args[role] = [*service_args.get(role, []), mode]
-        if traced:
-            env |= {"EPD_TRACE_EXPORTER": "jsonl", "EPD_TRACE_FILE": str(run_dir / "spans.jsonl")}
-        spec = StackSpec(layout=layout, encoders=1, model=model, run_dir=run_dir, engine="vllm",
-                         encoder_engine="vllm" if vllm_encoder else "reference",
-                         ready_timeout_s=ready_timeout_s, openai_door=True, door_in_router=not door_process,
-                         env=env, placement=placed,
-                         extra_args=service_args)  # fmt: skip
+        spec = epd_spec(config, model, run_dir, ready_timeout_s)
+        vllm_encoder = spec.encoder_engine == "vllm"
         with Stack(spec).running() as stack:
             dep = Deployment(config, stack.door_url.removesuffix("/v1"), name, stack=stack,
                              note="vLLM encoder" if vllm_encoder else "reference encoder")  # fmt: skip
@@ -628,8 +635,8 @@ def load_average() -> tuple[float, float, float]:
 
 __all__ = [
     "ARRIVALS", "COMPILED", "CONFIGS", "DATASETS", "DECODE_EAGER", "DECODE_GATE", "DOOR_PROCESS", "EAGER", "METRICS",
-    "NO_DECODE_GATE", "ONE_PROCESS", "PEERS", "PLACED", "PREFILL_EAGER", "TRACED", "UNSPLIT", "UVLOOP", "VLLM_ENCODER",
+    "NO_DECODE_GATE", "ONE_PROCESS", "PEERS", "PLACED", "PREFILL_EAGER", "TRACED", "UNSPLIT", "VLLM_ENCODER",
     "Dataset", "Deployment", "Engine", "Point", "Results",
-    "arrivals", "bench_serve", "bench_serve_args", "deployed", "median_range", "metrics_of", "plot", "points", "ratios",
-    "schedule", "streamed_share", "streamed_tpot", "table", "wins", "without_suffixes",
+    "arrivals", "bench_serve", "bench_serve_args", "deployed", "epd_spec", "median_range", "metrics_of", "plot",
+    "points", "ratios", "schedule", "streamed_share", "streamed_tpot", "table", "wins", "without_suffixes",
 ]  # fmt: skip
