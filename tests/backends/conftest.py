@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from libs.launch.stack import Stack, StackSpec
-from libs.runtime.checkpoints import ensure_checkpoint
+from libs.model.checkpoints import ensure_checkpoint
 from tests.support.vllm_stack import CHUNKED_PREFILL_TOKENS
 from tests.support.vllm_unsplit import unsplit_tokens
 

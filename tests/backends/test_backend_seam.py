@@ -13,7 +13,8 @@ import pytest
 
 from libs.backends import registry
 from libs.backends.api import DecodeBackend, PrefillBackend, PrefillDecodeBackend
-from libs.backends.identity import PAGED_KV, capability
+from libs.backends.engines import PAGED_KV, capability
+from libs.backends.hosting.parts import backend_info, backend_parts
 from libs.backends.in_flight import InFlight
 from libs.contract.epd.v1 import (
     decode_pb2,
@@ -25,7 +26,6 @@ from libs.contract.epd.v1 import (
 )
 from libs.contract.errors import InvalidArgument
 from libs.contract.validation import RAW_PROMPT_CAPABILITY, SAMPLING_CAPABILITY
-from libs.hosting.parts import backend_info, backend_parts
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.admission import Admission
 from libs.serving.settings import ModelServiceSettings

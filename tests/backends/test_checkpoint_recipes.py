@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from libs.runtime.checkpoints import FAMILIES, ensure_checkpoint
-from libs.runtime.checkpoints import generate as gen
+from libs.model.checkpoints import FAMILIES, ensure_checkpoint
+from libs.model.checkpoints import generate as gen
 
 pytestmark = pytest.mark.integration
 

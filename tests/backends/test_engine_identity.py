@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from libs.backends.identity import capability, engine_capabilities, engine_of
+from libs.backends.engines import capability, engine_capabilities, engine_of
 from libs.contract.epd.v1 import service_info_pb2
 from libs.contract.errors import FailedPrecondition
 from services.router.handshake import check_engine_pair

@@ -16,8 +16,8 @@ from libs.backends.reference import encoder as reference_encoder
 from libs.backends.reference.encoder import ReferenceEncoder, start
 from libs.backends.settings import EncoderBackendSettings
 from libs.contract.epd.v1 import encoder_pb2, media_pb2, tensor_pb2
-from libs.runtime.checkpoints.generate import ensure_checkpoint
-from libs.runtime.media import synthetic
+from libs.model.checkpoints.generate import ensure_checkpoint
+from libs.model.media import synthetic
 
 pytestmark = pytest.mark.integration
 

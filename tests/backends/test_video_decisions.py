@@ -17,6 +17,17 @@ from libs.backends.vllm.video_decisions import accept_second_per_grid_ts, withou
 pytestmark = pytest.mark.vllm  # imports vLLM (no engine starts)
 
 
+@pytest.fixture
+def shipped_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own `_parse_video_data` for the test, whatever this process installed before (the
+    install is process-wide; the plugin makes it wherever vLLM builds an engine's arguments); the
+    method as it was is back after the test."""
+    from vllm.model_executor.models.qwen2_vl import Qwen2VLMultiModalDataParser
+
+    parse = Qwen2VLMultiModalDataParser._parse_video_data
+    monkeypatch.setattr(Qwen2VLMultiModalDataParser, "_parse_video_data", getattr(parse, "__wrapped__", parse))
+
+
 def _parsed_video(grid: list[int], seconds: float) -> dict[str, Any]:
     """What vLLM's Qwen2-VL-family parser keeps of one metadata-only video (Qwen2.5-VL, Omni)."""
     from vllm.model_executor.models.qwen2_vl import Qwen2VLMultiModalDataParser
@@ -28,12 +39,8 @@ def _parsed_video(grid: list[int], seconds: float) -> dict[str, Any]:
     return dict(parser.parse_mm_data(data)["video"].get(0))
 
 
-def test_the_layouts_seconds_per_grid_reaches_vllms_fields(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm.model_executor.models.qwen2_vl import Qwen2VLMultiModalDataParser
-
-    # Restored after the test: the install is process-wide.
-    parse = Qwen2VLMultiModalDataParser._parse_video_data
-    monkeypatch.setattr(Qwen2VLMultiModalDataParser, "_parse_video_data", parse)
+@pytest.mark.usefixtures("shipped_parser")
+def test_the_layouts_seconds_per_grid_reaches_vllms_fields() -> None:
     assert "second_per_grid_ts" not in _parsed_video([4, 4, 6], 0.5)  # vLLM as shipped drops it
     accept_second_per_grid_ts()
     accept_second_per_grid_ts()  # idempotent: one wrapper
@@ -52,6 +59,7 @@ def _parsed_video_without_seconds() -> Any:
     return parser.parse_mm_data({"video": {"video_grid_thw": torch.tensor([[2, 4, 6]])}})["video"].get(0)
 
 
+@pytest.mark.usefixtures("shipped_parser")
 def test_vllms_pixel_path_field_config_is_unchanged() -> None:
     """Qwen2.5-VL's processor declares `second_per_grid_ts` on top of the shared factory for
     pixels: the install leaves that factory alone (patched, the field was declared twice and every

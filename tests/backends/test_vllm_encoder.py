@@ -24,7 +24,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from libs.backends.identity import engine_of
+from libs.backends.engines import engine_of
 from libs.backends.vllm.encoder import QUARANTINE_S
 from libs.contract.epd.v1 import (
     encoder_pb2,
@@ -36,11 +36,11 @@ from libs.contract.epd.v1 import (
 )
 from libs.contract.reasons import Reason, reason_of
 from libs.launch.stack import Stack, StackSpec
+from libs.model import types as eng
+from libs.model.checkpoints import ensure_checkpoint
+from libs.model.media import synthetic
 from libs.rpc.server import open_channel
-from libs.runtime import types as eng
-from libs.runtime.checkpoints import ensure_checkpoint
 from libs.runtime.encoder_runner import EncoderRunner
-from libs.runtime.media import synthetic
 from libs.serving import convert
 from libs.telemetry.spans import by_trace, load_jsonl
 from tests.support.vllm_stack import (

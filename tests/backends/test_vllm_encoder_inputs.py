@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from libs.backends.vllm.encoder_inputs import ImageTokens, RenderedImage, rendered_images
-from libs.runtime import types as eng
-from libs.runtime.checkpoint import Checkpoint
-from libs.runtime.checkpoints import ensure_checkpoint
-from libs.runtime.families import adapter_for
-from libs.runtime.media import synthetic
-from libs.runtime.media.limits import MediaLimits
+from libs.model import types as eng
+from libs.model.checkpoint import Checkpoint
+from libs.model.checkpoints import ensure_checkpoint
+from libs.model.families import adapter_for
+from libs.model.media import synthetic
+from libs.model.media.limits import MediaLimits
 
 pytestmark = [pytest.mark.vllm]
 

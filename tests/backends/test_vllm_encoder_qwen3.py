@@ -14,11 +14,11 @@ import torch
 
 from libs.contract.epd.v1 import encoder_pb2, encoder_pb2_grpc, media_pb2, tensor_pb2
 from libs.launch.process import ServiceProcess
+from libs.model import types as eng
+from libs.model.checkpoints import ensure_checkpoint
+from libs.model.media import synthetic
 from libs.rpc.server import open_channel
-from libs.runtime import types as eng
-from libs.runtime.checkpoints import ensure_checkpoint
 from libs.runtime.encoder_runner import EncoderRunner
-from libs.runtime.media import synthetic
 from libs.serving import convert
 from tests.support.vllm_stack import run, stats
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from libs.backends import registry
-from libs.backends.identity import encoder_refusal
+from libs.backends.engines import encoder_refusal
 from libs.backends.settings import EncoderBackendSettings
 from libs.backends.vllm import runtime
 from libs.backends.vllm.ec_producer import ItemRefused, write_item, written_mark
@@ -25,7 +25,7 @@ from libs.launch.config import DescriptionError, parse_description, role_setting
 from libs.launch.stack import Stack, StackSpec
 from libs.rpc.peers import check_embedding_specs
 from libs.serving import convert
-from libs.serving.identity import service_info
+from libs.serving.service_info import service_info
 from libs.transfer.pool import MemoryPool
 from libs.transfer.stamp import STAMP_BYTES
 
@@ -106,9 +106,9 @@ def test_a_pair_whose_embedding_contract_differs_is_refused_at_first_contact() -
     """The router's first-contact check of an encoder against the LM service: a vLLM encoder in
     bfloat16 cannot feed a float32 PD; the same encoder in float32 can."""
     from libs.backends.vllm.encoder import advertised_specs
-    from libs.runtime.checkpoint import Checkpoint
-    from libs.runtime.checkpoints import ensure_checkpoint
-    from libs.runtime.families import adapter_for
+    from libs.model.checkpoint import Checkpoint
+    from libs.model.checkpoints import ensure_checkpoint
+    from libs.model.families import adapter_for
 
     adapter = adapter_for(Checkpoint(ensure_checkpoint("qwen2_5_vl", "tiny")))
     consumed = [convert.embedding_spec_to_wire(s) for s in advertised_specs(adapter, torch.float32)]

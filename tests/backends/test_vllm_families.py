@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from libs.launch.stack import Stack, StackSpec
-from libs.runtime.checkpoints import ensure_checkpoint
+from libs.model.checkpoints import ensure_checkpoint
 from tests.support import vllm_stack
 from tests.support.vllm_stack import CHUNKED_PREFILL_TOKENS, Mix, call, mixes, reference_tokens, run, stats
 from tests.support.vllm_unsplit import AGREEING_MIXES

@@ -37,9 +37,9 @@ from libs.contract.epd.v1 import (
 )
 from libs.contract.reasons import Reason, reason_of
 from libs.launch.stack import Stack
+from libs.model import types as eng
+from libs.model.media import synthetic
 from libs.rpc.server import open_channel
-from libs.runtime import types as eng
-from libs.runtime.media import synthetic
 from tests.support.openai_door import disconnect_mid_stream, openai_messages, running_door, traceparent
 from tests.support.vllm_stack import (
     TOKENS,

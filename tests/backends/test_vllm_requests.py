@@ -12,8 +12,8 @@ import pytest
 from libs.backends.vllm.requests import RequestPlanner
 from libs.contract.epd.v1 import chat_pb2, layout_pb2, media_pb2, tensor_pb2
 from libs.contract.errors import InvalidArgument
-from libs.runtime import types as eng
-from libs.runtime.checkpoints import ensure_checkpoint
+from libs.model import types as eng
+from libs.model.checkpoints import ensure_checkpoint
 
 pytestmark = pytest.mark.integration
 

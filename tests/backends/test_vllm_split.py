@@ -37,9 +37,9 @@ from libs.contract.epd.v1 import (
 from libs.contract.reasons import Reason, reason_of
 from libs.launch.process import ServiceProcess, session_nice
 from libs.launch.stack import Stack
+from libs.model import types as eng
+from libs.model.media import synthetic
 from libs.rpc.server import open_channel
-from libs.runtime import types as eng
-from libs.runtime.media import synthetic
 from tests.support.release_tree import release_checkout
 from tests.support.vllm_stack import (
     TOKENS,

@@ -25,7 +25,7 @@ from libs.contract.epd.v1 import (
     service_info_pb2_grpc,
 )
 from libs.launch.stack import Stack, StackSpec
-from libs.runtime.checkpoints.generate import ensure_converted
+from libs.model.checkpoints.generate import ensure_converted
 from libs.serving.speech import SPEECH_TRANSCRIPTION
 from tests.support.openai_door import running_door
 from tests.support.speech_corpus import UTTERANCES, utterance

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from libs.backends.identity import refusal
+from libs.backends.engines import refusal
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
 from libs.backends.vllm.plugin import WHISPER_ARCHITECTURE, WHISPER_LOGITS
 from libs.backends.vllm.requests import RequestPlanner, with_encoder_states
 from libs.contract.epd.v1 import chat_pb2, layout_pb2, media_pb2, tensor_pb2
 from libs.contract.errors import EpdError, InvalidArgument
-from libs.runtime import types as eng
-from libs.runtime.checkpoints.generate import ensure_converted
+from libs.model import types as eng
+from libs.model.checkpoints.generate import ensure_converted
 
 ROWS, WIDTH = 1500, 384  # tiny.en: encoder states per 30 s window
 

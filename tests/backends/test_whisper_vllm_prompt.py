@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from libs.runtime.checkpoints.generate import ensure_converted
+from libs.model.checkpoints.generate import ensure_converted
 from tests.support.speech_corpus import UTTERANCES, utterance
 from tests.support.whisper_staged import load_reference, reference_tokens
 

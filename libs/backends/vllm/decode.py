@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from libs.backends.api import DecodeBackend
-from libs.backends.identity import PAGED_KV, capability, engine_of
+from libs.backends.engines import PAGED_KV, capability, engine_of
 from libs.backends.in_flight import InFlight
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
@@ -41,7 +41,7 @@ from libs.contract.reasons import Reason
 from libs.rpc.peers import check_peer
 from libs.rpc.server import open_channel
 from libs.serving import convert
-from libs.serving.identity import model_identity
+from libs.serving.service_info import model_identity
 from libs.telemetry.stages import record_duration, record_transfer, stage, start_phase
 
 # A lease this close to its expiry is treated as gone: vLLM would read freed blocks (seconds).
@@ -287,9 +287,9 @@ class VllmDecode(DecodeBackend):
 
 
 async def start(settings: EngineSettings) -> VllmDecode:
-    """Start vLLM's engine (30-50 s on 2 cores): a KV consumer."""
+    """Start vLLM's engine: a KV consumer."""
     runtime.refuse_unsupported(settings.model, "e/p/d")
     backend = VllmDecode(settings, RequestPlanner(settings.model, max_model_len=settings.max_model_len))
-    await asyncio.to_thread(runtime.import_vllm, settings)  # before the start's clock runs (10-18 s)
+    await asyncio.to_thread(runtime.import_vllm, settings)  # before the start's clock runs: the import is slow
     await start_or_exit(backend.supervisor, backend.close)
     return backend

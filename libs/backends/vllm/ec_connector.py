@@ -39,7 +39,6 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
-from libs.backends.vllm import engine_polling, seeded_sampling
 from libs.backends.vllm.requests import failure_path
 from libs.backends.vllm.shared_pool import PoolMaps, SlotDescriptor, read_item
 
@@ -89,9 +88,6 @@ class EpdECConnector(ECConnectorBase):
         # worker side
         self._maps = PoolMaps()
         self._failed: set[str] = set()
-        engine_polling.install()
-        if role == ECConnectorRole.WORKER:
-            seeded_sampling.install()
 
     # ---- scheduler side (EngineCore) -------------------------------------------------------------
 

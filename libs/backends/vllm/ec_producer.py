@@ -44,7 +44,6 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
-from libs.backends.vllm import engine_polling
 from libs.backends.vllm.shared_pool import PoolMaps, SlotDescriptor
 
 if TYPE_CHECKING:
@@ -112,7 +111,6 @@ class EpdECProducer(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         config = vllm_config.ec_transfer_config
         extra = dict(config.ec_connector_extra_config) if config is not None else {}
-        engine_polling.install()
         self._failure_dir = Path(str(extra.get("failure_dir", "")))
         # scheduler side: request id -> {uuid -> descriptor dict}, while the request lives
         self._slots: dict[str, dict[str, dict[str, Any]]] = {}

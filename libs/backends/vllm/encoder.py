@@ -44,7 +44,7 @@ import structlog
 import torch
 
 from libs.backends.api import EncoderBackend
-from libs.backends.identity import capability, encoder_refusal
+from libs.backends.engines import capability, encoder_refusal
 from libs.backends.in_flight import InFlight
 from libs.backends.settings import EncoderBackendSettings
 from libs.backends.vllm import runtime
@@ -62,17 +62,17 @@ from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or
 from libs.contract.epd.v1 import encoder_pb2, layout_pb2, tensor_pb2
 from libs.contract.errors import EpdError, FailedPrecondition, NotFound, error_for
 from libs.contract.validation import Limits
-from libs.runtime import types as eng
-from libs.runtime.checkpoint import Checkpoint
-from libs.runtime.encoder_runner import media_hash
-from libs.runtime.errors import UnsupportedModalityError
-from libs.runtime.families import adapter_for
-from libs.runtime.families.qwen_vl import QwenVLAdapter
-from libs.runtime.media.limits import MediaLimits
+from libs.model import types as eng
+from libs.model.checkpoint import Checkpoint
+from libs.model.content import media_hash
+from libs.model.errors import UnsupportedModalityError
+from libs.model.families import adapter_for
+from libs.model.families.qwen_vl import QwenVLAdapter
+from libs.model.media.limits import MediaLimits
 from libs.serving import convert
 from libs.serving.convert import engine_errors
-from libs.serving.identity import model_identity
 from libs.serving.media_source import job_media
+from libs.serving.service_info import model_identity
 from libs.serving.transport import Transport, transfer_config
 from libs.telemetry.stages import stage
 from libs.transfer.producer import Reservation
@@ -146,8 +146,8 @@ class VllmEncoder(EncoderBackend):
         self._tower_normalizes = False
         self._image_tokens: ImageTokens | None = None
         # Decoding and resizing, one item at a time on one thread: more threads add no core under
-        # the GIL, they only delay the event loop's handling of the next calls (3img c=16: TTFT p50
-        # 470 ms against 544 with asyncio.to_thread's pool; docs/results/bench-vs-vllm.md).
+        # the GIL, they only delay the event loop's handling of the next calls (and so their first
+        # tokens; docs/results/bench-vs-vllm.md).
         self._preparing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encoder-prepare")
         self._active = 0
         self.supervisor = EngineSupervisor(
@@ -377,7 +377,7 @@ class VllmEncoder(EncoderBackend):
 
 
 async def start(settings: EncoderBackendSettings) -> VllmEncoder:
-    """Start vLLM encoder-only (30-50 s on 2 cores), writing into this service's shared pool."""
+    """Start vLLM encoder-only, writing into this service's shared pool."""
     if (why := encoder_refusal(settings.model)) is not None:
         raise SystemExit(f"epd: {why}")
     torch.set_num_threads(settings.torch_threads)

@@ -5,8 +5,8 @@ so vLLM's input processing does not run for images: no prompt to tokenize, no HF
 placeholder search. Why: the project has already decoded, checked and resized each image to the
 patch grid (its layout is computed from those pixels); vLLM's processor would only cut them into
 patch rows again, the uint8 rows the tower normalizes itself (`mm_device_do_normalize`, vLLM's
-default for the Qwen VL families) - 2.3 ms of the encoder service's CPU per 3-image call (py-spy,
-3img c=1), on a thread of vLLM's own, behind a handoff from the event loop.
+default for the Qwen VL families): CPU the encoder service would spend on every call, on a thread
+of vLLM's own, behind a handoff from the event loop.
 
 The input is what vLLM's renderer makes of the same pixels, field for field
 (tests/backends/test_vllm_encoder_inputs.py): the prompt ids with each item's placeholder expanded
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from libs.runtime.types import ImageLayout
+from libs.model.types import ImageLayout
 
 if TYPE_CHECKING:
     from vllm.inputs.engine import MultiModalInput

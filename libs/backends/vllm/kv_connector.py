@@ -3,12 +3,14 @@ KV blocks over NIXL, CPU memory on both sides), with what a small shared CPU hos
 need. Loaded by vLLM itself (`kv_connector_module_path="libs.backends.vllm.kv_connector"`), once in
 EngineCore (scheduler role) and once in the Worker (worker role).
 
-What it changes, worker side (`kv_connector_extra_config` keys, defaults in `DEFAULTS`):
+What it changes, worker side (`kv_connector_extra_config` keys, defaults in `DEFAULTS`), around
+vLLM's worker constructor only (both are listed with the project's other vLLM patches in
+patches.py, `SCOPED`, and checked against the same vLLM version):
 
 - `epd_keep_affinity`: vLLM's NIXL worker pins the calling thread (the model runner, and every
   thread it starts afterwards: NIXL's and UCX's) to the last core of each NUMA node, to keep
-  transfers off the forward's cores. On a 2-core host that puts the forward on the one core the
-  other engines' transfer threads use too. The connector restores the worker's own CPU set on
+  transfers off the forward's cores. On a host with few cores that puts the forward on the core
+  the other engines' transfer threads use too. The connector restores the worker's own CPU set on
   every thread the constructor pinned.
 - `epd_progress_wakeup_s`: vLLM's NIXL agent runs NIXL's progress thread with a zero poll
   timeout, which spins a core for as long as the agent lives (one per engine). With a timeout the
@@ -36,8 +38,6 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
-from libs.backends.vllm import engine_polling, seeded_sampling
-
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -52,11 +52,10 @@ class EpdNixlConnector(NixlPullConnector):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         assert vllm_config.kv_transfer_config is not None
         extra = {**DEFAULTS, **vllm_config.kv_transfer_config.kv_connector_extra_config}
-        engine_polling.install()
         if role != KVConnectorRole.WORKER:
             super().__init__(vllm_config, role, kv_cache_config)
             return
-        seeded_sampling.install()
+        # Around vLLM's worker constructor only (patches.SCOPED: why not process-wide).
         cpus = os.sched_getaffinity(0)
         with _progress_thread_wakeup(extra["epd_progress_wakeup_s"]):
             super().__init__(vllm_config, role, kv_cache_config)

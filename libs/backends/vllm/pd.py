@@ -24,7 +24,7 @@ from typing import Any
 import structlog
 
 from libs.backends.api import PrefillDecodeBackend
-from libs.backends.identity import capability
+from libs.backends.engines import capability
 from libs.backends.in_flight import InFlight
 from libs.backends.prefill_batching import PrefillBatching
 from libs.backends.settings import PrefillDecodeEngineSettings
@@ -35,7 +35,7 @@ from libs.backends.vllm.streams import embedding_reads, raise_load_failure, read
 from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or_exit
 from libs.contract.epd.v1 import generation_pb2, prefill_decode_pb2, service_info_pb2
 from libs.contract.errors import EpdError
-from libs.runtime import types as eng
+from libs.model import types as eng
 from libs.serving import convert
 from libs.serving.speech import speech_capabilities, transcription_spec
 from libs.telemetry.stages import record_duration, record_stage, stage, start_phase
@@ -185,11 +185,11 @@ class VllmPrefillDecode(PrefillDecodeBackend):
 
 
 async def start(settings: PrefillDecodeEngineSettings) -> VllmPrefillDecode:
-    """Start vLLM's engine (30-50 s on 2 cores): a consumer of the encoders' embeddings."""
+    """Start vLLM's engine: a consumer of the encoders' embeddings."""
     runtime.refuse_unsupported(settings.model, "e+pd")
     planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
     failure_dir = Path(tempfile.mkdtemp(prefix="epd-vllm-failures-"))
     backend = VllmPrefillDecode(settings, planner, failure_dir)
-    await asyncio.to_thread(runtime.import_vllm, settings)  # before the start's clock runs (10-18 s)
+    await asyncio.to_thread(runtime.import_vllm, settings)  # before the start's clock runs: the import is slow
     await start_or_exit(backend.supervisor, backend.close)
     return backend

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from libs.backends.api import PrefillBackend
-from libs.backends.identity import PAGED_KV, capability
+from libs.backends.engines import PAGED_KV, capability
 from libs.backends.in_flight import InFlight
 from libs.backends.settings import EngineSettings
 from libs.backends.vllm import runtime
@@ -32,7 +32,7 @@ from libs.backends.vllm.streams import embedding_reads, raise_load_failure, read
 from libs.backends.vllm.supervisor import EngineLife, EngineSupervisor, start_or_exit
 from libs.contract.epd.v1 import generation_pb2, prefill_pb2, stats_pb2
 from libs.contract.errors import EpdError, Unavailable
-from libs.runtime import types as eng
+from libs.model import types as eng
 from libs.serving import convert
 from libs.telemetry.stages import stage
 
@@ -268,10 +268,10 @@ class VllmPrefill(PrefillBackend):
 
 
 async def start(settings: EngineSettings) -> VllmPrefill:
-    """Start vLLM's engine (30-50 s on 2 cores): a KV producer, consumer of the encoders' embeddings."""
+    """Start vLLM's engine: a KV producer, consumer of the encoders' embeddings."""
     runtime.refuse_unsupported(settings.model, "e/p/d")
     planner = RequestPlanner(settings.model, max_model_len=settings.max_model_len)
     backend = VllmPrefill(settings, planner, Path(tempfile.mkdtemp(prefix="epd-vllm-failures-")))
-    await asyncio.to_thread(runtime.import_vllm, settings)  # before the start's clock runs (10-18 s)
+    await asyncio.to_thread(runtime.import_vllm, settings)  # before the start's clock runs: the import is slow
     await start_or_exit(backend.supervisor, backend.close)
     return backend

@@ -2,7 +2,7 @@
 
 vLLM dies outright on several malformed inputs (an item its encoder cache never gets, a grid that
 does not fit the placeholder count, ...), so everything is checked here first, with the reference
-runtime's own prompt rules (libs/runtime/prompt.py: modality supported, no placeholder tokens in
+runtime's own prompt rules (libs/model/prompt.py: modality supported, no placeholder tokens in
 text, grid = placeholder count, Qwen3-VL timestamps) and the handles' tensor specs against what
 the model consumes. The result:
 
@@ -31,12 +31,11 @@ from libs.backends.vllm.video_decisions import (
 )
 from libs.contract.epd.v1 import chat_pb2, tensor_pb2
 from libs.contract.errors import InvalidArgument
-from libs.runtime import types as eng
-from libs.runtime.checkpoint import Checkpoint
-from libs.runtime.encoder_decoder import speech_item
-from libs.runtime.errors import EmbeddingMismatchError
-from libs.runtime.families import adapter_for
-from libs.runtime.prompt import build_prompt, prompt_ids
+from libs.model import types as eng
+from libs.model.checkpoint import Checkpoint
+from libs.model.errors import EmbeddingMismatchError
+from libs.model.families import adapter_for
+from libs.model.prompt import build_prompt, prompt_ids, speech_item
 from libs.serving import convert
 
 
@@ -231,7 +230,7 @@ class RequestPlanner:
 def _check_count(layout: eng.ItemLayout, merge: int, field: str) -> None:
     """vLLM sizes an item's placeholder range from its metadata and places the embedding rows there:
     rows that do not fill it exactly crash its model runner, so the layout must be consistent."""
-    from libs.runtime.families.qwen2_5_omni import audio_output_length  # vLLM's audio rule too
+    from libs.model.families.qwen2_5_omni import audio_output_length  # vLLM's audio rule too
 
     count = layout.placeholder_token_count
     grid = layout.image or layout.video

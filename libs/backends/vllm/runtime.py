@@ -1,6 +1,6 @@
 """vLLM itself: engine arguments, sampling parameters, outputs -> token chunks, errors -> status.
 
-Import this module only in services that chose `--engine vllm` (importing vLLM takes 10-18 s).
+Import this module only in services that chose `--engine vllm` (importing vLLM takes seconds).
 Every engine setting comes from the service's settings (libs/backends/settings.py; the table in
 docs/vllm-operations.md), today's CPU values as defaults:
 - host: `VLLM_HOST_IP` and the NIXL side channel on `--engine-host-ip` (default `--host`), UCX on
@@ -23,22 +23,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from libs.backends.identity import model_type, refusal
+from libs.backends.engines import model_type, refusal
 from libs.backends.settings import (
     ChunkedEngineSettings,
     EncoderBackendSettings,
     EngineSettings,
     PrefillDecodeEngineSettings,
 )
-from libs.backends.vllm import engine_polling
+from libs.backends.vllm import engine_polling, patches, plugin
 from libs.backends.vllm.plugin import WHISPER_ARCHITECTURE, WHISPER_LOGITS
 from libs.backends.vllm.shared_pool import SlotDescriptor
-from libs.backends.vllm.video_decisions import accept_second_per_grid_ts
 from libs.contract.epd.v1 import generation_pb2
 from libs.contract.errors import EpdError, InvalidArgument, Unavailable
 from libs.contract.reasons import Reason
-from libs.runtime import types as eng
-from libs.runtime.checkpoint import Checkpoint
+from libs.model import types as eng
+from libs.model.checkpoint import Checkpoint
 from libs.serving.convert import chunk_to_wire
 
 EC_CONNECTOR_MODULE = "libs.backends.vllm.ec_connector"
@@ -74,10 +73,9 @@ def engine_environment(settings: EngineSettings, kv: KvTransfer | None = None) -
     - UCX: the devices and transports vLLM's NIXL agent (the KV) moves bytes over, as the project's
       agents do (`--ucx-net-devices`, `--ucx-tls`);
     - CPU only: vLLM binds its worker's OpenMP threads to cores itself: with a KV connector on a
-      2-core host it takes every core (it reserves one more for transfers, finds none left, and
-      binds to all), and each engine binds the same cores. Unbound, with the service's thread
-      count, the engines of one host share the cores through the OS scheduler (measured:
-      docs/results/vllm.md, the decode cost);
+      host with few cores it takes every core (it reserves one more for transfers, finds none
+      left, and binds to all), and each engine binds the same cores. Unbound, with the service's
+      thread count, the engines of one host share the cores through the OS scheduler;
     - how long EngineCore and Worker poll each other before they sleep (`--engine-busy-poll-s`,
       `engine_polling.py`);
     - the worker inside EngineCore (`executor_backend`): vLLM's CPU platform turns "uni" into "mp"
@@ -102,9 +100,8 @@ def executor_backend(settings: EngineSettings) -> str | None:
     """vLLM's `distributed_executor_backend` for the engine (None: vLLM's choice). On CPU vLLM
     spawns a Worker beside EngineCore, and the two poll each other's shared-memory queue at every
     step (`engine_polling.py`); on a small host the pollers take the cores the forward needs. With
-    one device the worker can live inside EngineCore instead, as vLLM runs one GPU: measured, E+PD
-    on vLLM at c=16 under `vllm bench serve`, the engine's CPU per request fell from 52 to 16 ms
-    (docs/vllm.md, "One engine process")."""
+    one device the worker can live inside EngineCore instead, as vLLM runs one GPU: one process,
+    no queue between them to poll (docs/vllm.md, "One engine process")."""
     if settings.distributed_executor_backend != "auto":
         return settings.distributed_executor_backend
     if settings.device == "cpu" and settings.tensor_parallel_size == 1:
@@ -130,10 +127,19 @@ def refuse_unsupported(model: Path, layout: str) -> None:
 
 
 def import_vllm(settings: EngineSettings) -> None:
-    """Import vLLM's engine (10-18 s on 2 cores) once per process, before an engine start is timed
-    (`engine_start_timeout_s` bounds the engine's start, not the import); a vLLM build for another
-    device than `--device` ends the service, naming both."""
+    """Import vLLM's engine once per process, before an engine start is timed (the import takes
+    seconds; `engine_start_timeout_s` bounds the engine's start, not the import). Ends the service
+    at start-up, naming what to do, on a vLLM the project cannot run as installed: another version
+    than its patches were checked against (patches.py), a `VLLM_PLUGINS` that leaves the project's
+    plugin out of vLLM's engine processes, a build for another device than `--device`. The plugin
+    runs here too (vLLM would run it at the engine's start): this process's patches are in place
+    before the engine parses a request."""
     process_environment()
+    try:
+        patches.check_plugin_enabled()
+        plugin.register()
+    except patches.VllmSetupError as exc:
+        raise SystemExit(f"epd: {exc}") from None
     from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
 
@@ -277,7 +283,6 @@ def build_engine(
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    accept_second_per_grid_ts()  # requests are parsed in this process
     args = engine_args(settings, failure_dir=failure_dir, ec_consumer=ec_consumer, kv=kv, ec_producer=ec_producer)
     if "ec_transfer_config" in args:
         args["ec_transfer_config"] = ECTransferConfig(**args["ec_transfer_config"])

@@ -8,9 +8,10 @@ every request in the engine fails (vLLM 0.32, `GPUModelRunner._bookkeeping_sync`
 non-greedy request whose prompt is chunked triggers it; on a P/D split every sampled request is
 seeded (`runtime.split_seed`: decode must draw prefill's first token again).
 
-`install()` (worker process, called by the project's connectors) leaves those generators out of
-the step instead: the dropped token is drawn from the global generator, the request's own is not
-touched, so its tokens are the ones an unchunked prefill draws, as vLLM's rewind means on CUDA.
+`install()` (one of the project's vLLM patches, patches.py: the plugin installs it in each of vLLM's
+processes, the Worker among them) leaves those generators out of the step instead: the dropped
+token is drawn from the global generator, the request's own is not touched, so its tokens are the
+ones an unchunked prefill draws, as vLLM's rewind means on CUDA.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-_MARK = "_epd_holds_chunked_seeds"
+MARK = "_epd_holds_chunked_seeds"  # carried by the project's wrapper (patches.py checks it)
 
 
 def held_generators(runner: Any) -> dict[int, Any]:
@@ -41,7 +42,7 @@ def install() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original = GPUModelRunner.sample_tokens
-    if getattr(original, _MARK, False):
+    if getattr(original, MARK, False):
         return
 
     @functools.wraps(original)
@@ -53,5 +54,5 @@ def install() -> None:
         finally:
             self.input_batch.generators.update(held)
 
-    setattr(sample_tokens, _MARK, True)
+    setattr(sample_tokens, MARK, True)
     GPUModelRunner.sample_tokens = sample_tokens  # type: ignore[method-assign,assignment]

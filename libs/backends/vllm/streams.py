@@ -17,7 +17,7 @@ from libs.contract.epd.v1 import chat_pb2
 from libs.contract.errors import error_for
 from libs.contract.reasons import Reason, reason_if_gone
 from libs.serving.embeddings import FetchedItems, fetch_encoded
-from libs.serving.identity import model_identity
+from libs.serving.service_info import model_identity
 from libs.serving.transport import Transport, transfer_config
 from libs.transfer import TransferConfig
 

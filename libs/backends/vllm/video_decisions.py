@@ -5,9 +5,9 @@ the reference runtime's:
 - **Qwen2.5-VL (and Omni) temporal step.** vLLM's M-RoPE reads a video's `second_per_grid_ts`
   from the item's multimodal fields and takes 1.0 s per grid when it is absent. Its pixel path has
   the field; its metadata-only (embedding) path, the one EPD uses, has no field config for it and
-  drops it. `accept_second_per_grid_ts` adds the config to that path in the process that parses
-  requests (the one running `AsyncLLM`: this service); the planner passes the layout's
-  `seconds_per_grid`.
+  drops it. `accept_second_per_grid_ts` adds the config to that path (one of the project's vLLM
+  patches, patches.py: the plugin installs it in each of vLLM's processes, the service's, which
+  parses requests, among them); the planner passes the layout's `seconds_per_grid`.
 - **Qwen3-VL outer markers.** The project's video is, per temporal patch,
   `<t seconds><|vision_start|>` + pads + `<|vision_end|>`, with nothing around it. vLLM expands a
   prompt's video placeholder into the same per-patch sequence; with transformers >= 5.10 it
@@ -18,10 +18,12 @@ the reference runtime's:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 # Families whose vLLM M-RoPE takes a video's temporal step from `second_per_grid_ts`.
 SECONDS_PER_GRID_FAMILIES = frozenset({"qwen2_5_vl", "qwen2_5_omni"})
+MARK = "epd_second_per_grid_ts"  # carried by the project's parser method (patches.py checks it)
 
 
 def accept_second_per_grid_ts() -> None:
@@ -38,9 +40,10 @@ def accept_second_per_grid_ts() -> None:
 
     parser = qwen2_vl.Qwen2VLMultiModalDataParser
     shipped = parser._parse_video_data
-    if getattr(shipped, "epd_second_per_grid_ts", False):
+    if getattr(shipped, MARK, False):
         return
 
+    @functools.wraps(shipped)  # `__wrapped__`: vLLM's own method
     def parse_video_data(self: Any, data: Any) -> Any:
         if not isinstance(data, dict):
             return shipped(self, data)
@@ -57,7 +60,7 @@ def accept_second_per_grid_ts() -> None:
             data, modality="video", required_fields=required, optional_fields=optional, fields_factory=fields
         )
 
-    parse_video_data.epd_second_per_grid_ts = True  # type: ignore[attr-defined]
+    setattr(parse_video_data, MARK, True)
     setattr(parser, "_parse_video_data", parse_video_data)  # noqa: B010 (a method of vLLM's class)
 
 

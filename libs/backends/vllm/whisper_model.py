@@ -35,9 +35,9 @@ from vllm.multimodal.inputs import MultiModalFieldConfig
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
 from libs.backends.vllm.plugin import WHISPER_TIMESTAMPS_ARG
-from libs.runtime.checkpoint import Checkpoint
-from libs.runtime.families.whisper import WhisperAdapter
-from libs.runtime.types import SamplingParams
+from libs.model.checkpoint import Checkpoint
+from libs.model.families.whisper import WhisperAdapter
+from libs.model.types import SamplingParams
 
 
 class EncoderStatesProcessor(WhisperMultiModalProcessor):
