@@ -67,7 +67,7 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
         choices=("reference", "vllm"),
         default=None,
         help="engine of the PD service (e+pd) or of prefill and decode (e/p/d): the reference runtime, or vLLM "
-        "(~1 min and ~1.5 GB more per service)",
+        "(slower to start and heavier per service: docs/results/vllm.md)",
     )
     parser.add_argument(
         "--encoder-engine",

@@ -72,7 +72,7 @@ class StackSpec:
     # peers look: what a supervisor (libs/launch/supervisor.py) needs.
     fixed_ports: bool = False
     # Engine of the language-model services (pd, or prefill and decode): "reference" (the
-    # project's runtime) or "vllm" (30-50 s and ~1.5 GB more per service).
+    # project's runtime) or "vllm" (slower to start and heavier per service).
     engine: str = "reference"
     # Engine of the encoders: "reference" or "vllm" (encoder-only, writing into the encoder's pool;
     # Qwen2.5-VL and Qwen3-VL). Any pair whose embedding contract matches is allowed; the LM

@@ -172,13 +172,13 @@ class EncodeDispatch:
         )
         for index, part, _ in items:
             # CopyFrom into the added item, not `EncodeItem(media=...)` in the constructor: upb copies
-            # 0.5 MB of media in 0.015 ms this way and in 0.44 ms that way.
+            # the media far faster this way.
             job.items.add(item_index=index).media.CopyFrom(part.media)
         return job
 
     async def _key(self, part: chat_pb2.ContentPart) -> str | None:
         """The item's content hash, when the shared-store lookup or placement among encoders needs
-        it: with neither, hashing (~3 ms per 0.5 MB image here) is pure router overhead."""
+        it: with neither, hashing is pure router overhead."""
         if self._cache.store is None and self._encoders.size <= 1:
             return None
         return await item_hash(part.media, self._limits.max_inline_media_bytes)

@@ -1,8 +1,8 @@
 """First contact before traffic: the router sends one tiny image request through every encoder and
 the prefill/decode (or PD) backend when it starts, so that no client request pays for first-contact
 work: the peer handshakes (`GetServiceInfo`), HTTP/2 connections, each consumer's NIXL metadata
-exchange and connection to each producer (encoder -> prefill/PD, prefill -> decode; ~25-100 ms on
-the first READ), and the first run of each code path. Bounded in time; a backend that is not up
+exchange and connection to each producer (encoder -> prefill/PD, prefill -> decode: the first READ's
+cost), and the first run of each code path. Bounded in time; a backend that is not up
 or refuses is logged and skipped (the request path handles it as before)."""
 
 from __future__ import annotations

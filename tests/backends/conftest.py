@@ -1,5 +1,5 @@
 """vLLM engine fixtures: one real stack per layout, started once per test session and reused
-(a vLLM engine takes 30-50 s and ~1.5 GB to start on 2 cores). One module uses each layout's
+(a vLLM engine is slow and heavy to start). One module uses each layout's
 stack, so module scope starts each once and stops it before the next layout's engines start."""
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def test_tokens_equal_the_reference_runtime(stack: Stack, expected: dict[str, li
 
 def test_the_encoders_preprocessing_is_a_stage_of_its_own(stack: Stack, expected: dict[str, list[int]]) -> None:
     """Decoding and resizing the call's items are the encoder's `preprocess` stage in the trace
-    (before 2026-12-06 untraced: the trace report counted them as the service's bookkeeping): one
+    (untraced, the trace report would count them as the service's bookkeeping): one
     `encoder.preprocess` span per Encode call, naming its items, ended before vLLM's compute starts."""
     result = call(stack.address, request(MIXES["two_images"], request_id="traced-two-images"))
     assert result.token_ids == expected["two_images"]

@@ -6,8 +6,8 @@ described on the wire by contract 1.3's typed fields (`KvCache.paged`, `DecodeSt
 Tokens equal the reference runtime's; the handoff is typed and a lease of prefill's; a stale
 handoff, a missing embedding, a cancel and killed engines give typed statuses, the services
 recover and every pool ends empty. A contract 1.2 router (from the 1.2 release) serves the same
-stack: the 1.3 fields pass through it. Runs last: the engine-kill test (restarts cost ~2 min on
-2 cores, so it is marked `bench`: `pytest -m bench tests/backends/test_vllm_split.py`)."""
+stack: the 1.3 fields pass through it. Runs last: the engine-kill test (engine restarts are slow, so it
+is marked `bench`: `pytest -m bench tests/backends/test_vllm_split.py`)."""
 
 from __future__ import annotations
 
