@@ -9,8 +9,9 @@ from libs.model.errors import EmbeddingMismatchError
 from libs.model.prompt import Prompt, build_prompt
 from libs.model.types import ChatMessage, DecodeState, EncodedItem, PrefillResult, SamplingParams
 from libs.runtime.encoder_decoder import EncoderDecoderPrefill
-from libs.runtime.kv import export_kv
+from libs.runtime.kv import build_cache, cache_layers, export_kv
 from libs.runtime.lm_runtime import LanguageModelRuntime
+from libs.runtime.prefix_cache import PrefixCache
 from libs.runtime.sequence import Sequence
 
 # Tokens per chunk when a service runs a prefill in chunks (services: --prefill-chunk-tokens): a text
@@ -21,11 +22,17 @@ CHUNK_TOKENS = 64
 
 class PrefillRunner:
     def __init__(
-        self, runtime: LanguageModelRuntime, *, default_max_tokens: int = 256, chunk_tokens: int = CHUNK_TOKENS
+        self,
+        runtime: LanguageModelRuntime,
+        *,
+        default_max_tokens: int = 256,
+        chunk_tokens: int = CHUNK_TOKENS,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.runtime = runtime
         self.default_max_tokens = default_max_tokens
         self.chunk_tokens = chunk_tokens  # prompt tokens per forward when run in chunks (services)
+        self.prefix_cache = prefix_cache  # None: every prompt is forwarded whole
         self.specs = {spec.modality: spec for spec in runtime.expected_specs()}
 
     def _check_item(self, index: int, item: EncodedItem) -> None:
@@ -69,27 +76,38 @@ class PrefillRunner:
         return embeds, positions.unsqueeze(1), rope_delta, extras
 
     def prefill(
-        self, messages: list[ChatMessage], sampling: SamplingParams, *, return_logits: bool = False
+        self,
+        messages: list[ChatMessage],
+        sampling: SamplingParams,
+        *,
+        return_logits: bool = False,
+        cache_salt: str = "",
     ) -> PrefillResult:
-        task = self.start(messages, sampling)
+        task = self.start(messages, sampling, cache_salt=cache_salt)
         while not task.step(task.remaining):
             pass
         return task.finish(return_logits=return_logits)
 
-    def start(self, messages: list[ChatMessage], sampling: SamplingParams) -> PrefillTask | EncoderDecoderPrefill:
+    def start(
+        self, messages: list[ChatMessage], sampling: SamplingParams, *, cache_salt: str = ""
+    ) -> PrefillTask | EncoderDecoderPrefill:
         """A prefill to run in chunks (`PrefillTask.step`), so that other work (short prefills, decode
-        steps) can run between them; `prefill` is start + every step + finish."""
+        steps) can run between them; `prefill` is start + every step + finish. `cache_salt` scopes
+        the prefix cache (the caller's tenant): prompts reuse only blocks of their own salt."""
         if self.runtime.adapter.is_encoder_decoder:  # Whisper: the decoder's task prompt, one step
             return EncoderDecoderPrefill(self.runtime, messages, sampling, default_max_tokens=self.default_max_tokens)
-        return PrefillTask(self, messages, sampling)
+        return PrefillTask(self, messages, sampling, cache_salt)
 
 
 class PrefillTask:
     """One prompt's prefill, forwarded `step(n)` tokens at a time into one KV cache. Chunking is
-    exact attention over the cached prefix (the same result up to float rounding); families with
-    extra per-token inputs (deepstack) run in one step."""
+    exact attention over the cached prefix (the same result up to float rounding), and so is
+    starting from blocks of the runner's prefix cache; families with extra per-token inputs
+    (deepstack) run in one step, whole."""
 
-    def __init__(self, runner: PrefillRunner, messages: list[ChatMessage], sampling: SamplingParams) -> None:
+    def __init__(
+        self, runner: PrefillRunner, messages: list[ChatMessage], sampling: SamplingParams, cache_salt: str = ""
+    ) -> None:
         self.runner = runner
         self.sequence = Sequence(runner.runtime, sampling, default_max_tokens=runner.default_max_tokens)
         self.prompt = runner.build(messages)
@@ -100,6 +118,15 @@ class PrefillTask:
         self.done = 0
         self.total = int(self.embeds.shape[1])
         self.logits: torch.Tensor | None = None
+        self.block_keys: list[bytes] = []
+        prefixes = runner.prefix_cache
+        if prefixes is not None and self.extras is None:
+            scope = f"{runner.runtime.weights_digest}\0{cache_salt}"
+            self.block_keys = prefixes.keys(scope, self.prompt.input_ids, self.prompt.items, self.prompt.encoded)
+            self.done, layers = prefixes.lookup(self.block_keys, self.total)
+            if layers is not None:
+                self.cache = build_cache(layers, [])  # type: ignore[assignment]
+        self.cached_tokens = self.done  # prompt tokens whose KV came from the prefix cache
 
     @property
     def remaining(self) -> int:
@@ -124,6 +151,8 @@ class PrefillTask:
     def finish(self, *, return_logits: bool = False) -> PrefillResult:
         """Sample the first token from the last chunk's logits and export the KV cache."""
         assert self.logits is not None and self.remaining == 0, "finish() before every step ran"
+        if self.block_keys and self.runner.prefix_cache is not None:
+            self.runner.prefix_cache.store(self.block_keys, cache_layers(self.cache))
         with torch.inference_mode():
             row = self.logits[0, -1].float()
             token, chunk = self.sequence.advance(row)
