@@ -65,6 +65,7 @@ class GenerationResult:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens the engine reused from a cached prefix
     ttft_s: float = 0.0
     total_s: float = 0.0
     retries: int = 0  # calls that failed retryably before any token, then retried
@@ -84,10 +85,12 @@ async def generate(
     *,
     timeout_s: float | None = 120.0,
     on_text: Callable[[str], None] | None = None,
+    on_chunk: Callable[[list[int], str], None] | None = None,
     retry_unavailable: bool = False,
     max_retries: int = 100,
 ) -> GenerationResult:
-    """Call `Generate` and collect the stream; `on_text` sees each text delta as it arrives.
+    """Call `Generate` and collect the stream; `on_text` sees each text delta as it arrives,
+    `on_chunk` each chunk's token ids with its text (a transcript's timestamp tokens have none).
 
     With `retry_unavailable`, a call that failed before any token arrived because the server was
     going away (`libs.rpc.retry.went_away`, by the failure's reason: draining, stopped, its engine
@@ -113,11 +116,14 @@ async def generate(
                 result.text += response.chunk.text
                 if on_text and response.chunk.text:
                     on_text(response.chunk.text)
+                if on_chunk and (response.chunk.token_ids or response.chunk.text):
+                    on_chunk(list(response.chunk.token_ids), response.chunk.text)
                 if response.chunk.finish_reason:
                     result.finish_reason = generation_pb2.FinishReason.Name(response.chunk.finish_reason)
                 if response.HasField("usage"):
                     result.prompt_tokens = response.usage.prompt_tokens
                     result.completion_tokens = response.usage.completion_tokens
+                    result.cached_prompt_tokens = response.usage.cached_prompt_tokens
         except grpc.aio.AioRpcError as exc:
             again = retry_unavailable and went_away(exc) and not result.token_ids
             pause = min(0.5, 0.05 * 1.5 ** len(retried))

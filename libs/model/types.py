@@ -248,6 +248,7 @@ class DecodeState:
     prompt_tokens: int
     # The prompt's token ids (placeholders expanded), for the repetition penalty; () when not needed.
     prompt_token_ids: tuple[int, ...] = ()
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from a cached prefix
 
 
 @dataclass

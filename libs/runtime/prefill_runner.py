@@ -165,5 +165,6 @@ class PrefillTask:
             prompt_tokens=len(self.prompt.input_ids),
             # Decode's repetition penalty looks at the prompt's tokens; sent only then.
             prompt_token_ids=tuple(self.prompt.input_ids) if self.sequence.sampling.repetition_penalty != 1 else (),
+            cached_prompt_tokens=self.cached_tokens,
         )
         return PrefillResult(chunk, kv, state, row.clone() if return_logits else None)

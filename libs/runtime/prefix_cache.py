@@ -10,8 +10,10 @@ are not. The chain starts from the scope: the model's weights digest and the req
 (the tenant), so one tenant's blocks never answer another tenant's prompt, and no timing tells one
 tenant what another sent.
 
-Reuse leaves at least one prompt token to forward, whose logits give the first token. A block is
-useful only with every block before it, so a lookup stops at the first missing one; eviction drops
+Blocks are as long as the runner's prefill chunks: a prompt that reuses k blocks then forwards
+exactly the chunks a prefill from nothing would after them, the same operations on the same
+inputs, so its tokens are the same bits, not merely close. Reuse leaves at least one prompt token
+to forward, whose logits give the first token. A block is useful only with every block before it, so a lookup stops at the first missing one; eviction drops
 the least recently used blocks while the cache holds more than its byte budget.
 
 Called on the one compute thread of a service (libs/serving/compute_thread.py); `stats` is read
@@ -30,7 +32,7 @@ import torch
 from libs.model.families.base import PlacedItem
 from libs.model.types import EncodedItem
 
-BLOCK_TOKENS = 16  # prompt positions per block: the unit of reuse and of eviction
+BLOCK_TOKENS = 64  # prompt positions per block (the unit of reuse and eviction): a prefill chunk
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer, key and value [1, kv_heads, tokens, head_dim]
 
@@ -116,6 +118,12 @@ class PrefixCache:
             _, evicted = self._blocks.popitem(last=False)
             self.bytes -= _nbytes(evicted)
             self.stats.evicted_blocks += 1
+
+
+def of_size(mib: int, block_tokens: int) -> PrefixCache | None:
+    """A cache of `mib` MiB (a service's --prefix-cache-mib) in blocks of the runner's prefill
+    chunks (`block_tokens`), or None for 0."""
+    return PrefixCache(mib << 20, block_tokens=block_tokens) if mib > 0 else None
 
 
 def _item_rows(items: Sequence[PlacedItem], encoded: Sequence[EncodedItem]) -> dict[int, bytes]:

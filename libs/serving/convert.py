@@ -224,6 +224,7 @@ def decode_state_to_wire(state: eng.DecodeState) -> prefill_pb2.DecodeState:
         generated_text=state.generated_text,
         prompt_tokens=state.prompt_tokens,
         prompt_token_ids=state.prompt_token_ids,
+        cached_prompt_tokens=state.cached_prompt_tokens,
     )
 
 
@@ -235,6 +236,7 @@ def decode_state_to_engine(state: prefill_pb2.DecodeState) -> eng.DecodeState:
         generated_text=state.generated_text,
         prompt_tokens=state.prompt_tokens,
         prompt_token_ids=tuple(state.prompt_token_ids),
+        cached_prompt_tokens=state.cached_prompt_tokens,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
@@ -28,11 +29,14 @@ async def run_prefill(
     messages: Sequence[chat_pb2.ChatMessage],
     sampling: eng.SamplingParams,
     fetched: FetchedItems,
+    cache_salt: str = "",
 ) -> eng.PrefillResult:
     """Prefill on the compute thread; the fetched embedding slots go back once the engine is done
-    with them - even when the caller is cancelled mid-prefill."""
+    with them - even when the caller is cancelled mid-prefill. `cache_salt`: the request's scope in
+    the runner's prefix cache."""
     with stage("prefill.compute", "prefill") as span:
-        task = asyncio.ensure_future(_chunked(thread, runner, messages_to_engine(messages, fetched.items), sampling))
+        engine_messages = messages_to_engine(messages, fetched.items)
+        task = asyncio.ensure_future(_chunked(thread, runner, engine_messages, sampling, cache_salt))
         try:
             with engine_errors():
                 result = await asyncio.shield(task)
@@ -42,11 +46,16 @@ async def run_prefill(
             else:
                 task.add_done_callback(lambda _: fetched.release())
         span.set_attribute("epd.prompt_tokens", result.decode_state.prompt_tokens)
+        span.set_attribute("epd.prompt_cached_tokens", result.decode_state.cached_prompt_tokens)
         return result
 
 
 async def _chunked(
-    thread: ComputeThread, runner: PrefillRunner, messages: list[eng.ChatMessage], sampling: eng.SamplingParams
+    thread: ComputeThread,
+    runner: PrefillRunner,
+    messages: list[eng.ChatMessage],
+    sampling: eng.SamplingParams,
+    cache_salt: str,
 ) -> eng.PrefillResult:
     """Prefill in chunks of `runner.chunk_tokens`, each queued by its remaining prompt tokens: between
     two chunks of a long (multimodal) prompt the engine thread runs decode steps and shorter
@@ -61,7 +70,9 @@ async def _chunked(
         finally:
             busy[0] += time.perf_counter() - started
 
-    task: PrefillTask = await thread.run(timed, runner.start, messages, sampling)
+    task: PrefillTask = await thread.run(
+        timed, functools.partial(runner.start, cache_salt=cache_salt), messages, sampling
+    )
     chunks = 1
     while not await thread.run_at(task.remaining, timed, task.step, runner.chunk_tokens):
         chunks += 1
@@ -79,11 +90,12 @@ async def fetch_and_prefill(
     messages: Sequence[chat_pb2.ChatMessage],
     sampling: eng.SamplingParams,
     deadline: float | None,
+    cache_salt: str = "",
 ) -> eng.PrefillResult:
     """Read a metadata-only request's embeddings from the encoders, then prefill."""
     specs = {spec.modality: spec for spec in runner.runtime.expected_specs()}
     fetched = await fetch_encoded(transport, messages, specs, deadline)
-    return await run_prefill(thread, runner, messages, sampling, fetched)
+    return await run_prefill(thread, runner, messages, sampling, fetched, cache_salt)
 
 
 async def stream_after_prefill(
@@ -92,7 +104,7 @@ async def stream_after_prefill(
     """The first chunk, then decode in this process; usage on the last chunk."""
     state = result.decode_state
     if result.kv_cache is None:
-        usage = generation_pb2.Usage(prompt_tokens=state.prompt_tokens, completion_tokens=state.generated_tokens)
+        usage = _usage(state, state.generated_tokens)
         yield chunk_to_wire(result.first_chunk), usage
         return
     yield chunk_to_wire(result.first_chunk), None
@@ -118,7 +130,7 @@ async def decode_stream(
                 generated += len(chunk.token_ids)
                 usage = None
                 if chunk.finish_reason is not None:
-                    usage = generation_pb2.Usage(prompt_tokens=state.prompt_tokens, completion_tokens=generated)
+                    usage = _usage(state, generated)
                 yield chunk_to_wire(chunk), usage
     finally:
         elapsed = time.perf_counter() - started
@@ -136,3 +148,11 @@ async def decode_stream(
         )
         span.end()
         record_duration("decode.generate", "decode", elapsed)
+
+
+def _usage(state: eng.DecodeState, generated: int) -> generation_pb2.Usage:
+    return generation_pb2.Usage(
+        prompt_tokens=state.prompt_tokens,
+        completion_tokens=generated,
+        cached_prompt_tokens=state.cached_prompt_tokens,
+    )

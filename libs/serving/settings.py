@@ -48,3 +48,8 @@ class ChunkedPrefillSettings:
         "requests run or wait (long_prefill_token_threshold): a text request waits at most one chunk of a long "
         "(multimodal) prompt, short next to the whole prompt",
     )
+    prefix_cache_mib: int = setting(
+        256,
+        "reference engine: MiB of prompt KV kept for later prompts that start the same way (a conversation's next "
+        "turn, its images included), scoped by the request's cache_salt; 0 disables it (vLLM engines keep their own)",
+    )

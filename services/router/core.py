@@ -112,6 +112,7 @@ class Router:
                             {
                                 "gen_ai.usage.input_tokens": usage.prompt_tokens,
                                 "gen_ai.usage.output_tokens": usage.completion_tokens,
+                                "epd.usage.cached_input_tokens": usage.cached_prompt_tokens,
                             }
                         )
                     yield response

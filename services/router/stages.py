@@ -229,7 +229,7 @@ class StageClients:
         assert b.prefill_decode is not None
         stub = b.prefill_decode
         pd_request = prefill_decode_pb2.PrefillDecodeRequest(
-            request_id=state.request_id, messages=messages, sampling=request.sampling
+            request_id=state.request_id, messages=messages, sampling=request.sampling, cache_salt=request.cache_salt
         )
         members = self._failover(self.stages.pd, "pd", deadline, b.checks.prefill)
         span = start_phase("epd.prefill_decode", **{ATTRIBUTION: "rpc"})
@@ -285,7 +285,11 @@ class StageClients:
         first, prefill_address = await self._prefill(messages, request, state, deadline)
         state.acked()  # prefill acked every embedding it read
         if not first.HasField("kv_cache"):  # finished at the first token
-            usage = generation_pb2.Usage(prompt_tokens=first.decode_state.prompt_tokens, completion_tokens=1)
+            usage = generation_pb2.Usage(
+                prompt_tokens=first.decode_state.prompt_tokens,
+                completion_tokens=1,
+                cached_prompt_tokens=first.decode_state.cached_prompt_tokens,
+            )
             yield first.first_chunk, usage
             return
         state.hold_kv(first.kv_cache)
@@ -309,6 +313,7 @@ class StageClients:
             messages=messages,
             sampling=request.sampling,
             accepted_kv_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
+            cache_salt=request.cache_salt,
         )
         members = self._failover(self.stages.prefill, "prefill", deadline, b.checks.prefill)
         try:

@@ -23,12 +23,14 @@ from libs.runtime.decode_runner import DecodeRunner
 from libs.runtime.encoder_runner import EncoderRunner
 from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.runtime.prefill_runner import PrefillRunner, PrefillTask
-from libs.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache
+from libs.runtime.prefix_cache import PrefixCache
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 GREEDY = SamplingParams(max_tokens=6)
 BUDGET = 64 << 20
+# Short prompts: small blocks, as long as the prefill chunks (what makes reuse exact).
+BLOCK = 16
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +77,8 @@ def _prompt_tokens(runner: PrefillRunner, messages: list[ChatMessage]) -> int:
 def test_later_turns_reuse_the_conversation_and_answer_the_same(
     omni_runtime: LanguageModelRuntime, omni_decode: DecodeRunner, images: list[EncodedItem]
 ) -> None:
-    plain = PrefillRunner(omni_runtime)
-    cached = PrefillRunner(omni_runtime, prefix_cache=PrefixCache(BUDGET))
+    plain = PrefillRunner(omni_runtime, chunk_tokens=BLOCK)
+    cached = PrefillRunner(omni_runtime, chunk_tokens=BLOCK, prefix_cache=PrefixCache(BUDGET, block_tokens=BLOCK))
     answers: list[str] = []
     for turn in range(3):
         messages = _turns(images[0], answers)[turn]
@@ -87,7 +89,7 @@ def test_later_turns_reuse_the_conversation_and_answer_the_same(
             assert reused == 0
         else:  # every complete block of the previous turn's prompt (which this one starts with)
             previous = _prompt_tokens(plain, _turns(images[0], answers[:-1])[turn - 1])
-            assert reused == previous // BLOCK_TOKENS * BLOCK_TOKENS > 0
+            assert reused == previous // BLOCK * BLOCK > 0
         answers.append(text)
     stats = cached.prefix_cache.stats if cached.prefix_cache else None
     assert stats is not None and stats.queries == 3 and stats.hit_tokens > 0
@@ -96,7 +98,7 @@ def test_later_turns_reuse_the_conversation_and_answer_the_same(
 def test_another_salt_or_another_image_reuses_nothing_of_it(
     omni_runtime: LanguageModelRuntime, omni_decode: DecodeRunner, images: list[EncodedItem]
 ) -> None:
-    runner = PrefillRunner(omni_runtime, prefix_cache=PrefixCache(BUDGET))
+    runner = PrefillRunner(omni_runtime, chunk_tokens=BLOCK, prefix_cache=PrefixCache(BUDGET, block_tokens=BLOCK))
     _answer(runner, omni_decode, _turns(images[0], [])[0], salt="tenant-a")
     follow_up = _turns(images[0], ["it is a picture"])[1]
     assert _answer(runner, omni_decode, follow_up, salt="tenant-b")[2] == 0
@@ -104,20 +106,20 @@ def test_another_salt_or_another_image_reuses_nothing_of_it(
     other = _turns(images[1], ["it is a picture"])[1]
     image_start = runner.build(other).items[0].start
     _, _, reused = _answer(runner, omni_decode, other, salt="tenant-a")
-    assert reused == image_start // BLOCK_TOKENS * BLOCK_TOKENS
+    assert reused == image_start // BLOCK * BLOCK
     assert _answer(runner, omni_decode, follow_up, salt="tenant-a")[2] > image_start
 
 
 def test_the_cache_stays_within_its_budget(
     omni_runtime: LanguageModelRuntime, omni_decode: DecodeRunner, images: list[EncodedItem]
 ) -> None:
-    plain = PrefillRunner(omni_runtime)
+    plain = PrefillRunner(omni_runtime, chunk_tokens=BLOCK)
     asks = [_turns(image, [])[0] for image in images]
     expected = [_answer(plain, omni_decode, messages)[0] for messages in asks]
-    probe = PrefixCache(BUDGET)
-    _answer(PrefillRunner(omni_runtime, prefix_cache=probe), omni_decode, asks[0])
-    small = PrefixCache(2 * probe.bytes // len(probe))  # two blocks
-    runner = PrefillRunner(omni_runtime, prefix_cache=small)
+    probe = PrefixCache(BUDGET, block_tokens=BLOCK)
+    _answer(PrefillRunner(omni_runtime, chunk_tokens=BLOCK, prefix_cache=probe), omni_decode, asks[0])
+    small = PrefixCache(2 * probe.bytes // len(probe), block_tokens=BLOCK)  # two blocks
+    runner = PrefillRunner(omni_runtime, chunk_tokens=BLOCK, prefix_cache=small)
     for messages, tokens in zip(asks * 2, expected * 2, strict=True):
         assert _answer(runner, omni_decode, messages)[0] == tokens
         assert small.bytes <= small.budget_bytes and len(small) <= 2

@@ -17,6 +17,7 @@ from libs.contract.errors import InvalidArgument
 from libs.contract.validation import Limits
 from libs.model import types as eng
 from libs.model.types import EncodedItem, MediaInput
+from libs.runtime import prefix_cache
 from libs.runtime.decode_runner import DecodeRunner
 from libs.runtime.encoder_runner import EncoderRunner
 from libs.runtime.lm_runtime import LanguageModelRuntime
@@ -43,6 +44,7 @@ class ReferenceColocated(ColocatedBackend):
         limits: Limits | None = None,
         file_root: Path | None = None,
         chunk_tokens: int = CHUNK_TOKENS,
+        prefix_cache_mib: int = 0,
     ) -> None:
         self.limits = limits or Limits()
         self.file_root = file_root
@@ -52,7 +54,9 @@ class ReferenceColocated(ColocatedBackend):
         # It runs at most its decode batch: the rest wait in admission.
         self.max_running = min(max_running, max_batch)
         self.in_flight = InFlight()
-        self.prefill = PrefillRunner(self.runtime, chunk_tokens=chunk_tokens)
+        self.prefill = PrefillRunner(
+            self.runtime, chunk_tokens=chunk_tokens, prefix_cache=prefix_cache.of_size(prefix_cache_mib, chunk_tokens)
+        )
         self.thread = ComputeThread("colocated")
         self.decode = DecodeLoop(DecodeRunner(self.runtime, max_batch=max_batch), self.thread)
 
@@ -80,7 +84,9 @@ class ReferenceColocated(ColocatedBackend):
                 media.append(convert.media_input(part.media, index, data))
             items = await self._encode(media) if media else []
             sampling = convert.sampling_to_engine(request.sampling)
-            result = await run_prefill(self.thread, self.prefill, request.messages, sampling, FetchedItems(items))
+            result = await run_prefill(
+                self.thread, self.prefill, request.messages, sampling, FetchedItems(items), request.cache_salt
+            )
             async for chunk, usage in stream_after_prefill(self.decode, request_id, result, sampling):
                 response = generate_pb2.GenerateResponse(request_id=request_id, chunk=chunk)
                 if usage is not None:
@@ -117,4 +123,5 @@ async def start(settings: ColocatedBackendSettings) -> ReferenceColocated:
         max_running=settings.max_running,
         file_root=settings.file_root,
         chunk_tokens=settings.prefill_chunk_tokens,
+        prefix_cache_mib=settings.prefix_cache_mib,
     )

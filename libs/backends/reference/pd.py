@@ -14,6 +14,7 @@ from libs.backends.in_flight import InFlight
 from libs.backends.settings import PrefillDecodeEngineSettings
 from libs.contract.epd.v1 import prefill_decode_pb2, service_info_pb2
 from libs.model import types as eng
+from libs.runtime import prefix_cache
 from libs.runtime.decode_runner import DecodeRunner
 from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.runtime.prefill_runner import CHUNK_TOKENS, PrefillRunner
@@ -39,6 +40,7 @@ class ReferencePrefillDecode(PrefillDecodeBackend):
         max_batch: int,
         max_running: int,
         chunk_tokens: int = CHUNK_TOKENS,
+        prefix_cache_mib: int = 0,
     ) -> None:
         self.runtime = runtime
         self.weights_digest = self.runtime.weights_digest
@@ -47,7 +49,9 @@ class ReferencePrefillDecode(PrefillDecodeBackend):
         self.max_running = min(max_running, max_batch)
         self.in_flight = InFlight()
         self.thread = ComputeThread("pd")
-        self.runner = PrefillRunner(self.runtime, chunk_tokens=chunk_tokens)
+        self.runner = PrefillRunner(
+            self.runtime, chunk_tokens=chunk_tokens, prefix_cache=prefix_cache.of_size(prefix_cache_mib, chunk_tokens)
+        )
         self.loop = DecodeLoop(DecodeRunner(self.runtime, max_batch=max_batch), self.thread)
 
     def embedding_specs(self) -> list[eng.EmbeddingSpec]:
@@ -70,7 +74,7 @@ class ReferencePrefillDecode(PrefillDecodeBackend):
         with self.in_flight.track(request.request_id):
             sampling = convert.sampling_to_engine(request.sampling)
             result = await fetch_and_prefill(
-                self.thread, self.runner, self.transport, request.messages, sampling, deadline
+                self.thread, self.runner, self.transport, request.messages, sampling, deadline, request.cache_salt
             )
             async for chunk, usage in stream_after_prefill(self.loop, request.request_id, result, sampling):
                 response = prefill_decode_pb2.PrefillDecodeResponse(chunk=chunk)
@@ -95,4 +99,5 @@ async def start(settings: PrefillDecodeEngineSettings) -> ReferencePrefillDecode
         max_batch=settings.max_batch,
         max_running=settings.max_running,
         chunk_tokens=settings.prefill_chunk_tokens,
+        prefix_cache_mib=settings.prefix_cache_mib,
     )

@@ -18,6 +18,7 @@ from libs.backends.in_flight import InFlight
 from libs.backends.settings import ChunkedEngineSettings
 from libs.contract.epd.v1 import prefill_pb2, service_info_pb2, tensor_pb2
 from libs.model import types as eng
+from libs.runtime import prefix_cache
 from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.runtime.prefill_runner import CHUNK_TOKENS, PrefillRunner
 from libs.serving import convert
@@ -42,6 +43,7 @@ class ReferencePrefill(PrefillBackend):
         *,
         max_running: int,
         chunk_tokens: int = CHUNK_TOKENS,
+        prefix_cache_mib: int = 0,
     ) -> None:
         self.runtime = runtime
         self.weights_digest = runtime.weights_digest
@@ -49,7 +51,9 @@ class ReferencePrefill(PrefillBackend):
         self.max_running = max_running
         self.in_flight = InFlight()
         self.thread = ComputeThread("prefill")
-        self.runner = PrefillRunner(runtime, chunk_tokens=chunk_tokens)
+        self.runner = PrefillRunner(
+            runtime, chunk_tokens=chunk_tokens, prefix_cache=prefix_cache.of_size(prefix_cache_mib, chunk_tokens)
+        )
 
     def embedding_specs(self) -> list[eng.EmbeddingSpec]:
         return self.runtime.expected_specs()
@@ -69,7 +73,9 @@ class ReferencePrefill(PrefillBackend):
         self, request: prefill_pb2.PrefillRequest, deadline: float | None
     ) -> prefill_pb2.PrefillResponse:
         sampling = convert.sampling_to_engine(request.sampling)
-        result = await fetch_and_prefill(self.thread, self.runner, self.transport, request.messages, sampling, deadline)
+        result = await fetch_and_prefill(
+            self.thread, self.runner, self.transport, request.messages, sampling, deadline, request.cache_salt
+        )
         response = prefill_pb2.PrefillResponse(
             first_chunk=convert.chunk_to_wire(result.first_chunk),
             decode_state=convert.decode_state_to_wire(result.decode_state),
@@ -104,5 +110,9 @@ async def start(settings: ChunkedEngineSettings) -> ReferencePrefill:
     identity = model_identity(settings, runtime.weights_digest)
     transport = Transport(transfer_config(settings, "prefill"), identity, produce=True, consume=True)
     return ReferencePrefill(
-        runtime, transport, max_running=settings.max_running, chunk_tokens=settings.prefill_chunk_tokens
+        runtime,
+        transport,
+        max_running=settings.max_running,
+        chunk_tokens=settings.prefill_chunk_tokens,
+        prefix_cache_mib=settings.prefix_cache_mib,
     )

@@ -265,7 +265,11 @@ class VllmDecode(DecodeBackend):
                 generated += len(token_ids)
                 usage = None
                 if finished:
-                    usage = generation_pb2.Usage(prompt_tokens=state.prompt_tokens, completion_tokens=generated)
+                    usage = generation_pb2.Usage(
+                        prompt_tokens=state.prompt_tokens,
+                        completion_tokens=generated,
+                        cached_prompt_tokens=state.cached_prompt_tokens,
+                    )
                 if token_ids or text or finished:
                     yield chunk, usage
                 if finished:

@@ -125,7 +125,7 @@ class VllmPrefillDecode(PrefillDecodeBackend):
             items, slots = await read_items(
                 self.reads, self.planner, request_id, request.messages, planned.uuids, deadline
             )
-            prompt = planned.prompt
+            prompt = runtime.salted(planned.prompt, request.cache_salt)
             if planned.speech:
                 # vLLM keeps its own copy of the states (they travel to EngineCore): the slot goes back now.
                 prompt = with_encoder_states(planned, items.items[0].tensors["embeddings"].clone())
@@ -153,8 +153,11 @@ class VllmPrefillDecode(PrefillDecodeBackend):
                 generated += len(chunk.token_ids)
                 usage = None
                 if finished:
-                    prompt_tokens = len(out.prompt_token_ids or ())
-                    usage = generation_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=generated)
+                    usage = generation_pb2.Usage(
+                        prompt_tokens=len(out.prompt_token_ids or ()),
+                        completion_tokens=generated,
+                        cached_prompt_tokens=out.num_cached_tokens or 0,
+                    )
                 yield chunk, usage
                 if finished:
                     return

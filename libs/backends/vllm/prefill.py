@@ -174,7 +174,10 @@ class VllmPrefill(PrefillBackend):
             )
             engine = self.supervisor.engine()
             stream = engine.llm.generate(
-                planned.prompt, params, request.request_id, priority=runtime.engine_priority(request.priority)
+                runtime.salted(planned.prompt, request.cache_salt),
+                params,
+                request.request_id,
+                priority=runtime.engine_priority(request.priority),
             )
             with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as span:
                 out = await engine.next(stream, deadline)
@@ -217,6 +220,7 @@ class VllmPrefill(PrefillBackend):
             generated_tokens=len(chunk.token_ids),
             generated_text=chunk.text,
             prompt_tokens=prompt_tokens,
+            cached_prompt_tokens=out.num_cached_tokens or 0,
         )
         response = prefill_pb2.PrefillResponse(first_chunk=chunk, decode_state=state)
         wanted = sampling.max_tokens or DEFAULT_MAX_TOKENS

@@ -322,6 +322,12 @@ def split_seed(params: eng.SamplingParams, request_id: str) -> int | None:
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:4], "big") & 0x7FFFFFFF
 
 
+def salted(prompt: dict[str, Any], cache_salt: str) -> dict[str, Any]:
+    """The prompt scoped to the request's tenant in vLLM's prefix cache (its `cache_salt`: mixed
+    into the first block's hash, so no block is shared across salts)."""
+    return {**prompt, "cache_salt": cache_salt} if cache_salt else prompt
+
+
 def sampling_params(
     params: eng.SamplingParams,
     default_max_tokens: int,

@@ -28,7 +28,7 @@ from . import generation_pb2 as epd_dot_v1_dot_generation__pb2
 from . import sampling_pb2 as epd_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65pd/v1/generate.proto\x12\x06\x65pd.v1\x1a\x11\x65pd/v1/chat.proto\x1a\x17\x65pd/v1/generation.proto\x1a\x15\x65pd/v1/sampling.proto\"\x88\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"g\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.epd.v1.TokenChunk\x12\x1c\n\x05usage\x18\x03 \x01(\x0b\x32\r.epd.v1.Usage2R\n\x0fGenerateService\x12?\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x18.epd.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65pd/v1/generate.proto\x12\x06\x65pd.v1\x1a\x11\x65pd/v1/chat.proto\x1a\x17\x65pd/v1/generation.proto\x1a\x15\x65pd/v1/sampling.proto\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"g\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.epd.v1.TokenChunk\x12\x1c\n\x05usage\x18\x03 \x01(\x0b\x32\r.epd.v1.Usage2R\n\x0fGenerateService\x12?\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x18.epd.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.generate_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=101
-  _globals['_GENERATEREQUEST']._serialized_end=237
-  _globals['_GENERATERESPONSE']._serialized_start=239
-  _globals['_GENERATERESPONSE']._serialized_end=342
-  _globals['_GENERATESERVICE']._serialized_start=344
-  _globals['_GENERATESERVICE']._serialized_end=426
+  _globals['_GENERATEREQUEST']._serialized_end=257
+  _globals['_GENERATERESPONSE']._serialized_start=259
+  _globals['_GENERATERESPONSE']._serialized_end=362
+  _globals['_GENERATESERVICE']._serialized_start=364
+  _globals['_GENERATESERVICE']._serialized_end=446
 # @@protoc_insertion_point(module_scope)

@@ -32,12 +32,19 @@ class GenerateRequest(_message.Message):
     MESSAGES_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen identifier for logs and traces. Optional: the router assigns one when empty."""
     priority: _builtins.int
     """Scheduling priority among requests waiting for a slot: higher is served first, equal
     priorities in arrival order. 0 is the default; range [-100, 100]. Since contract 1.1; 1.0
     servers ignore it (peers advertise the "admission.priority" capability when they honor it).
+    """
+    cache_salt: _builtins.str
+    """Scopes the reuse of cached work to requests that carry the same salt (a tenant): a prompt
+    reuses only prefixes cached under its own salt, so tenants never share a cached prefix nor
+    learn from timing what another sent. Empty: the deployment's default scope. UTF-8, at most
+    256 bytes. Since contract 1.8; older servers ignore it.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_chat_pb2.ChatMessage]:
@@ -54,10 +61,11 @@ class GenerateRequest(_message.Message):
         messages: _abc.Iterable[_chat_pb2.ChatMessage] | None = ...,
         sampling: _sampling_pb2.SamplingParams | None = ...,
         priority: _builtins.int = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "messages", b"messages", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

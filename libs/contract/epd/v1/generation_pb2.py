@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65pd/v1/generation.proto\x12\x06\x65pd.v1\"\x83\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x14.epd.v1.FinishReason\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.epd.v1.TokenLogprobs\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"X\n\rTokenLogprobs\x12$\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x14.epd.v1.TokenLogprob\x12!\n\x03top\x18\x02 \x03(\x0b\x32\x14.epd.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05*\x80\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65pd/v1/generation.proto\x12\x06\x65pd.v1\"\x83\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x14.epd.v1.FinishReason\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.epd.v1.TokenLogprobs\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"X\n\rTokenLogprobs\x12$\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x14.epd.v1.TokenLogprob\x12!\n\x03top\x18\x02 \x03(\x0b\x32\x14.epd.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05*\x80\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=385
-  _globals['_FINISHREASON']._serialized_end=513
+  _globals['_FINISHREASON']._serialized_start=415
+  _globals['_FINISHREASON']._serialized_end=543
   _globals['_TOKENCHUNK']._serialized_start=36
   _globals['_TOKENCHUNK']._serialized_end=167
   _globals['_TOKENLOGPROB']._serialized_start=169
@@ -41,5 +41,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROBS']._serialized_start=235
   _globals['_TOKENLOGPROBS']._serialized_end=323
   _globals['_USAGE']._serialized_start=325
-  _globals['_USAGE']._serialized_end=382
+  _globals['_USAGE']._serialized_end=412
 # @@protoc_insertion_point(module_scope)

@@ -165,19 +165,26 @@ class Usage(_message.Message):
 
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt, placeholders included, in tokens."""
     completion_tokens: _builtins.int
     """Tokens generated, in tokens."""
+    cached_prompt_tokens: _builtins.int
+    """Prompt tokens whose KV came from a cached prefix instead of a forward (OpenAI's
+    `prompt_tokens_details.cached_tokens`), in tokens; at most `prompt_tokens`. Since contract
+    1.8; 0 from older servers and engines that cache no prefix.
+    """
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
+        cached_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

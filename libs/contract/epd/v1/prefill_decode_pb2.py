@@ -28,7 +28,7 @@ from . import generation_pb2 as epd_dot_v1_dot_generation__pb2
 from . import sampling_pb2 as epd_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65pd/v1/prefill_decode.proto\x12\x06\x65pd.v1\x1a\x11\x65pd/v1/chat.proto\x1a\x17\x65pd/v1/generation.proto\x1a\x15\x65pd/v1/sampling.proto\"\x8d\x01\n\x14PrefillDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"X\n\x15PrefillDecodeResponse\x12!\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.epd.v1.TokenChunk\x12\x1c\n\x05usage\x18\x02 \x01(\x0b\x32\r.epd.v1.Usage2f\n\x14PrefillDecodeService\x12N\n\rPrefillDecode\x12\x1c.epd.v1.PrefillDecodeRequest\x1a\x1d.epd.v1.PrefillDecodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65pd/v1/prefill_decode.proto\x12\x06\x65pd.v1\x1a\x11\x65pd/v1/chat.proto\x1a\x17\x65pd/v1/generation.proto\x1a\x15\x65pd/v1/sampling.proto\"\xa1\x01\n\x14PrefillDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"X\n\x15PrefillDecodeResponse\x12!\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.epd.v1.TokenChunk\x12\x1c\n\x05usage\x18\x02 \x01(\x0b\x32\r.epd.v1.Usage2f\n\x14PrefillDecodeService\x12N\n\rPrefillDecode\x12\x1c.epd.v1.PrefillDecodeRequest\x1a\x1d.epd.v1.PrefillDecodeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.prefill_decode_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLDECODEREQUEST']._serialized_start=107
-  _globals['_PREFILLDECODEREQUEST']._serialized_end=248
-  _globals['_PREFILLDECODERESPONSE']._serialized_start=250
-  _globals['_PREFILLDECODERESPONSE']._serialized_end=338
-  _globals['_PREFILLDECODESERVICE']._serialized_start=340
-  _globals['_PREFILLDECODESERVICE']._serialized_end=442
+  _globals['_PREFILLDECODEREQUEST']._serialized_end=268
+  _globals['_PREFILLDECODERESPONSE']._serialized_start=270
+  _globals['_PREFILLDECODERESPONSE']._serialized_end=358
+  _globals['_PREFILLDECODESERVICE']._serialized_start=360
+  _globals['_PREFILLDECODESERVICE']._serialized_end=462
 # @@protoc_insertion_point(module_scope)

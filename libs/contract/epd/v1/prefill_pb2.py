@@ -31,15 +31,15 @@ from . import tensor_pb2 as epd_dot_v1_dot_tensor__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/prefill.proto\x12\x06\x65pd.v1\x1a\x11\x65pd/v1/chat.proto\x1a\x17\x65pd/v1/generation.proto\x1a\x13\x65pd/v1/layout.proto\x1a\x15\x65pd/v1/sampling.proto\x1a\x13\x65pd/v1/tensor.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x93\x01\n\rKvCacheLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x03\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.epd.v1.DType\x12\x14\n\x0c\x63ross_tokens\x18\x06 \x01(\x03\"|\n\x07KvCache\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.epd.v1.KvCacheLayout\x12$\n\x06handle\x18\x02 \x01(\x0b\x32\x14.epd.v1.TensorHandle\x12$\n\x05paged\x18\x03 \x01(\x0b\x32\x15.epd.v1.PagedKvBlocks\"\x1f\n\nKvBlockIds\x12\x11\n\tblock_ids\x18\x01 \x03(\x03\"\x8d\x03\n\rPagedKvBlocks\x12\x18\n\x10producer_address\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x35\n\x11lease_expire_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x19\n\x11\x65ngine_request_id\x18\x05 \x01(\t\x12\x19\n\x11side_channel_host\x18\x06 \x01(\t\x12\x19\n\x11side_channel_port\x18\x07 \x01(\x05\x12\"\n\x06groups\x18\x08 \x03(\x0b\x32\x12.epd.v1.KvBlockIds\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\n \x01(\x05\x12$\n\x1c\x64\x65\x63ode_context_parallel_size\x18\x0b \x01(\x05\x12-\n\rtransfer_mode\x18\x0c \x01(\x0e\x32\x16.epd.v1.KvTransferMode\"D\n\x0c\x45nginePrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12!\n\x05items\x18\x02 \x03(\x0b\x32\x12.epd.v1.ItemLayout\"\xce\x01\n\x0b\x44\x65\x63odeState\x12\x1b\n\x13next_input_token_id\x18\x01 \x01(\x05\x12\x12\n\nrope_delta\x18\x02 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x05\x12\x16\n\x0egenerated_text\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12+\n\rengine_prompt\x18\x06 \x01(\x0b\x32\x14.epd.v1.EnginePrompt\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\"\xbe\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x35\n\x16\x61\x63\x63\x65pted_kv_transports\x18\x04 \x03(\x0e\x32\x15.epd.v1.TransportKind\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\x88\x01\n\x0fPrefillResponse\x12\'\n\x0b\x66irst_chunk\x18\x01 \x01(\x0b\x32\x12.epd.v1.TokenChunk\x12!\n\x08kv_cache\x18\x02 \x01(\x0b\x32\x0f.epd.v1.KvCache\x12)\n\x0c\x64\x65\x63ode_state\x18\x03 \x01(\x0b\x32\x13.epd.v1.DecodeState*M\n\x0eKvTransferMode\x12 \n\x1cKV_TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_TRANSFER_MODE_PULL\x10\x01\x32L\n\x0ePrefillService\x12:\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x17.epd.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/prefill.proto\x12\x06\x65pd.v1\x1a\x11\x65pd/v1/chat.proto\x1a\x17\x65pd/v1/generation.proto\x1a\x13\x65pd/v1/layout.proto\x1a\x15\x65pd/v1/sampling.proto\x1a\x13\x65pd/v1/tensor.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x93\x01\n\rKvCacheLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x03\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.epd.v1.DType\x12\x14\n\x0c\x63ross_tokens\x18\x06 \x01(\x03\"|\n\x07KvCache\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.epd.v1.KvCacheLayout\x12$\n\x06handle\x18\x02 \x01(\x0b\x32\x14.epd.v1.TensorHandle\x12$\n\x05paged\x18\x03 \x01(\x0b\x32\x15.epd.v1.PagedKvBlocks\"\x1f\n\nKvBlockIds\x12\x11\n\tblock_ids\x18\x01 \x03(\x03\"\x8d\x03\n\rPagedKvBlocks\x12\x18\n\x10producer_address\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x35\n\x11lease_expire_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x19\n\x11\x65ngine_request_id\x18\x05 \x01(\t\x12\x19\n\x11side_channel_host\x18\x06 \x01(\t\x12\x19\n\x11side_channel_port\x18\x07 \x01(\x05\x12\"\n\x06groups\x18\x08 \x03(\x0b\x32\x12.epd.v1.KvBlockIds\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\n \x01(\x05\x12$\n\x1c\x64\x65\x63ode_context_parallel_size\x18\x0b \x01(\x05\x12-\n\rtransfer_mode\x18\x0c \x01(\x0e\x32\x16.epd.v1.KvTransferMode\"D\n\x0c\x45nginePrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12!\n\x05items\x18\x02 \x03(\x0b\x32\x12.epd.v1.ItemLayout\"\xec\x01\n\x0b\x44\x65\x63odeState\x12\x1b\n\x13next_input_token_id\x18\x01 \x01(\x05\x12\x12\n\nrope_delta\x18\x02 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x05\x12\x16\n\x0egenerated_text\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12+\n\rengine_prompt\x18\x06 \x01(\x0b\x32\x14.epd.v1.EnginePrompt\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x08 \x01(\x05\"\xd2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x35\n\x16\x61\x63\x63\x65pted_kv_transports\x18\x04 \x03(\x0e\x32\x15.epd.v1.TransportKind\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x88\x01\n\x0fPrefillResponse\x12\'\n\x0b\x66irst_chunk\x18\x01 \x01(\x0b\x32\x12.epd.v1.TokenChunk\x12!\n\x08kv_cache\x18\x02 \x01(\x0b\x32\x0f.epd.v1.KvCache\x12)\n\x0c\x64\x65\x63ode_state\x18\x03 \x01(\x0b\x32\x13.epd.v1.DecodeState*M\n\x0eKvTransferMode\x12 \n\x1cKV_TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_TRANSFER_MODE_PULL\x10\x01\x32L\n\x0ePrefillService\x12:\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x17.epd.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVTRANSFERMODE']._serialized_start=1494
-  _globals['_KVTRANSFERMODE']._serialized_end=1571
+  _globals['_KVTRANSFERMODE']._serialized_start=1544
+  _globals['_KVTRANSFERMODE']._serialized_end=1621
   _globals['_KVCACHELAYOUT']._serialized_start=175
   _globals['_KVCACHELAYOUT']._serialized_end=322
   _globals['_KVCACHE']._serialized_start=324
@@ -51,11 +51,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINEPROMPT']._serialized_start=883
   _globals['_ENGINEPROMPT']._serialized_end=951
   _globals['_DECODESTATE']._serialized_start=954
-  _globals['_DECODESTATE']._serialized_end=1160
-  _globals['_PREFILLREQUEST']._serialized_start=1163
-  _globals['_PREFILLREQUEST']._serialized_end=1353
-  _globals['_PREFILLRESPONSE']._serialized_start=1356
-  _globals['_PREFILLRESPONSE']._serialized_end=1492
-  _globals['_PREFILLSERVICE']._serialized_start=1573
-  _globals['_PREFILLSERVICE']._serialized_end=1649
+  _globals['_DECODESTATE']._serialized_end=1190
+  _globals['_PREFILLREQUEST']._serialized_start=1193
+  _globals['_PREFILLREQUEST']._serialized_end=1403
+  _globals['_PREFILLRESPONSE']._serialized_start=1406
+  _globals['_PREFILLRESPONSE']._serialized_end=1542
+  _globals['_PREFILLSERVICE']._serialized_start=1623
+  _globals['_PREFILLSERVICE']._serialized_end=1699
 # @@protoc_insertion_point(module_scope)

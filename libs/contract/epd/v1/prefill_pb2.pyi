@@ -291,6 +291,7 @@ class DecodeState(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     ENGINE_PROMPT_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     next_input_token_id: _builtins.int
     """Token id to feed at the next step (the last generated token)."""
     rope_delta: _builtins.int
@@ -303,6 +304,10 @@ class DecodeState(_message.Message):
     """Text already generated, for stop sequences that span the prefill/decode boundary (UTF-8)."""
     prompt_tokens: _builtins.int
     """Tokens in the prompt, in tokens."""
+    cached_prompt_tokens: _builtins.int
+    """Prompt tokens whose KV the prefill took from a cached prefix, in tokens (decode reports them
+    in `Usage.cached_prompt_tokens`). Since contract 1.8; 0 otherwise.
+    """
     @_builtins.property
     def engine_prompt(self) -> Global___EnginePrompt:
         """The prompt as the prefill engine took it. Since contract 1.3: set with `KvCache.paged` (a
@@ -327,10 +332,11 @@ class DecodeState(_message.Message):
         prompt_tokens: _builtins.int = ...,
         engine_prompt: Global___EnginePrompt | None = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        cached_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine_prompt", b"engine_prompt"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_prompt", b"engine_prompt", "generated_text", b"generated_text", "generated_tokens", b"generated_tokens", "next_input_token_id", b"next_input_token_id", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "rope_delta", b"rope_delta"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "engine_prompt", b"engine_prompt", "generated_text", b"generated_text", "generated_tokens", b"generated_tokens", "next_input_token_id", b"next_input_token_id", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "rope_delta", b"rope_delta"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -347,12 +353,19 @@ class PrefillRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     ACCEPTED_KV_TRANSPORTS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Identifier of the client request. Required."""
     priority: _builtins.int
     """Scheduling priority among requests waiting for a slot: higher is served first, equal
     priorities in arrival order. 0 is the default; range [-100, 100]. Since contract 1.1; 1.0
     servers ignore it (peers advertise the "admission.priority" capability when they honor it).
+    """
+    cache_salt: _builtins.str
+    """Scopes the reuse of cached work to requests that carry the same salt (a tenant): a prompt
+    reuses only prefixes cached under its own salt, so tenants never share a cached prefix nor
+    learn from timing what another sent. Empty: the deployment's default scope. UTF-8, at most
+    256 bytes. Since contract 1.8; older servers ignore it.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_chat_pb2.ChatMessage]:
@@ -374,10 +387,11 @@ class PrefillRequest(_message.Message):
         sampling: _sampling_pb2.SamplingParams | None = ...,
         accepted_kv_transports: _abc.Iterable[_tensor_pb2.TransportKind.ValueType] | None = ...,
         priority: _builtins.int = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_kv_transports", b"accepted_kv_transports", "messages", b"messages", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_kv_transports", b"accepted_kv_transports", "cache_salt", b"cache_salt", "messages", b"messages", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

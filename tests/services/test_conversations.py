@@ -1,0 +1,57 @@
+"""A conversation that keeps its image across turns, sent as a chat client sends it (every turn
+resends the whole conversation), through real reference-engine stacks: the next turn reuses the
+prefix its earlier turn left in the prefill's prefix cache (`Usage.cached_prompt_tokens`) and
+answers with the same tokens as a prefill from nothing; another tenant (`cache_salt`) sending the
+same conversation reuses none of it."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+from libs.contract.epd.v1 import chat_pb2, generate_pb2, media_pb2, sampling_pb2
+from libs.launch.stack import Stack
+from libs.model.media import synthetic
+from tests.support.stacks import run_requests
+
+pytestmark = [pytest.mark.stack, pytest.mark.timeout(300)]
+
+IMAGE = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(448, 448, seed=11))
+# A first message long enough to fill several prefill chunks (the prefix cache's blocks).
+QUESTION = "look at the picture and tell me " + " ".join(f"what part {i} shows" for i in range(60))
+
+
+def _message(role: chat_pb2.ChatRole.ValueType, *parts: chat_pb2.ContentPart) -> chat_pb2.ChatMessage:
+    return chat_pb2.ChatMessage(role=role, parts=list(parts))
+
+
+def _turn(salt: str, answer: str | None) -> generate_pb2.GenerateRequest:
+    """The first turn, or (with the first turn's `answer`) the second, which resends the first."""
+    messages = [
+        _message(chat_pb2.CHAT_ROLE_USER, chat_pb2.ContentPart(media=IMAGE), chat_pb2.ContentPart(text=QUESTION))
+    ]
+    if answer is not None:
+        messages += [
+            _message(chat_pb2.CHAT_ROLE_ASSISTANT, chat_pb2.ContentPart(text=answer)),
+            _message(chat_pb2.CHAT_ROLE_USER, chat_pb2.ContentPart(text="and what colour is it")),
+        ]
+    return generate_pb2.GenerateRequest(
+        messages=messages, sampling=sampling_pb2.SamplingParams(max_tokens=8), cache_salt=salt
+    )
+
+
+@pytest.mark.parametrize("layout", ["e+pd", "e/p/d"])
+def test_the_next_turn_reuses_its_tenants_prefix_only(layout: str, stacks: Callable[[str], Stack]) -> None:
+    stack = stacks(layout)
+    tenant, other = f"tenant-{uuid.uuid4().hex}", f"tenant-{uuid.uuid4().hex}"  # scopes no other test used
+    (first,) = run_requests(stack.address, [_turn(tenant, None)])
+    assert first.cached_prompt_tokens == 0
+    (again,) = run_requests(stack.address, [_turn(tenant, first.text)])
+    (stranger,) = run_requests(stack.address, [_turn(other, first.text)])
+    assert again.cached_prompt_tokens >= first.prompt_tokens // 2 > 0, "the second turn reused no image block"
+    assert again.cached_prompt_tokens < again.prompt_tokens
+    assert stranger.cached_prompt_tokens == 0, "another tenant's request reused this tenant's prefix"
+    assert again.token_ids == stranger.token_ids, "tokens with reuse differ from a prefill from nothing"
+    assert again.prompt_tokens == stranger.prompt_tokens
