@@ -9,17 +9,30 @@ choice of one per call.
   finish and are counted until they end (`begin` / `end`).
 - `draining(address)`: the member refused work because it drains (it is leaving): avoided until
   membership drops it or the period passes.
+- `pick_affine(key)`: the member a key (a conversation) belongs to, so that a conversation's turns
+  meet the prefix its earlier turns left in that member's cache: the member its last turn went to
+  (remembered for the latest `HOMES` keys), else the key's owner by rendezvous hashing (a member
+  that joins or leaves moves only the keys it wins or held); the least loaded instead while that
+  member is busier than `AFFINITY_LOAD` times the least loaded (bounded load), draining, excluded
+  or gone.
 
 `EncoderPool` (services/router/encoders.py) adds content-hash placement on top.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from libs.contract.errors import Unavailable
+
+# A conversation's member keeps it while its calls in flight are at most this many times the least
+# loaded member's, plus one: affinity bends the balance this far and no further.
+AFFINITY_LOAD = 1.5
+HOMES = 65536  # conversations whose last member is remembered (~100 bytes each)
 
 
 class MemberPool:
@@ -35,6 +48,7 @@ class MemberPool:
         self._draining: dict[str, float] = {}  # member -> monotonic time until which it is not picked
         self._order = itertools.count()
         self._last_pick = dict.fromkeys(addresses, -1)
+        self._homes: OrderedDict[bytes, str] = OrderedDict()  # conversation key -> its last member
 
     @property
     def size(self) -> int:
@@ -103,3 +117,21 @@ class MemberPool:
     def pick(self, exclude: set[str] = frozenset()) -> str:  # type: ignore[assignment]
         """The member for the next call, never one in `exclude`."""
         return self.least_loaded(self.candidates(exclude))
+
+    def pick_affine(self, key: bytes, exclude: set[str] = frozenset()) -> str:  # type: ignore[assignment]
+        """The member `key` belongs to among the candidates, unless it is overloaded (then the least
+        loaded); never one in `exclude`."""
+        candidates = self.candidates(exclude)
+        owner = self._homes.get(key)
+        if owner not in candidates:
+            owner = max(candidates, key=lambda a: hashlib.blake2b(key + a.encode(), digest_size=8).digest())
+        lightest = min(self.outstanding[a] for a in candidates)
+        if self.outstanding[owner] > AFFINITY_LOAD * lightest + 1:
+            owner = self.least_loaded(candidates)
+        else:
+            self._last_pick[owner] = next(self._order)
+        self._homes[key] = owner
+        self._homes.move_to_end(key)
+        if len(self._homes) > HOMES:
+            self._homes.popitem(last=False)
+        return owner

@@ -43,6 +43,7 @@ from libs.contract.epd.v1 import (
 )
 from libs.contract.errors import DeadlineExceeded
 from libs.telemetry.stages import ATTRIBUTION, calls_under, phase, stage, start_phase
+from services.router.affinity import conversation_key
 from services.router.failover import Check, Failover, remaining
 from services.router.leases import RequestState
 from services.router.policy import MEMBER_RETRIES, RpcFailed, Stage
@@ -214,9 +215,14 @@ class StageClients:
             return self._prefill_decode(messages, request, state, deadline)
         return self._split(messages, request, state, deadline)
 
-    def _failover(self, pool: MemberPool | None, stage: Stage, deadline: float | None, check: Check) -> Failover:
+    def _failover(
+        self, pool: MemberPool | None, stage: Stage, deadline: float | None, check: Check, affinity: bytes = b""
+    ) -> Failover:
+        """The tries of one call; with `affinity` (a conversation's key), the member it belongs to
+        first (`MemberPool.pick_affine`)."""
         assert pool is not None, f"no {stage} pool for the stubs' layout"
-        return Failover(pool, stage, MEMBER_RETRIES, deadline, check)
+        pick = (lambda tried: pool.pick_affine(affinity, tried)) if affinity else None
+        return Failover(pool, stage, MEMBER_RETRIES, deadline, check, pick)
 
     async def _prefill_decode(
         self,
@@ -231,7 +237,7 @@ class StageClients:
         pd_request = prefill_decode_pb2.PrefillDecodeRequest(
             request_id=state.request_id, messages=messages, sampling=request.sampling, cache_salt=request.cache_salt
         )
-        members = self._failover(self.stages.pd, "pd", deadline, b.checks.prefill)
+        members = self._failover(self.stages.pd, "pd", deadline, b.checks.prefill, conversation_key(request))
         span = start_phase("epd.prefill_decode", **{ATTRIBUTION: "rpc"})
 
         async def on(address: str) -> AsyncGenerator[prefill_decode_pb2.PrefillDecodeResponse, None]:
@@ -315,7 +321,7 @@ class StageClients:
             accepted_kv_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
             cache_salt=request.cache_salt,
         )
-        members = self._failover(self.stages.prefill, "prefill", deadline, b.checks.prefill)
+        members = self._failover(self.stages.prefill, "prefill", deadline, b.checks.prefill, conversation_key(request))
         try:
             with phase("epd.prefill", **{ATTRIBUTION: "rpc"}) as span:
 

@@ -13,9 +13,10 @@ from typing import Any
 import grpc
 import pytest
 
-from libs.contract.epd.v1 import decode_pb2, generation_pb2, prefill_decode_pb2, prefill_pb2
+from libs.contract.epd.v1 import chat_pb2, decode_pb2, generate_pb2, generation_pb2, prefill_decode_pb2, prefill_pb2
 from libs.contract.errors import FailedPrecondition, Unavailable
 from libs.rpc.retry import DRAINING
+from services.router.affinity import conversation_key
 from services.router.core import Router
 from services.router.encoders import EncoderPool
 from services.router.pool import MemberPool
@@ -182,12 +183,14 @@ def test_when_every_decode_refuses_the_kv_lease_is_released_at_its_prefill() -> 
     )
 
     async def go() -> None:
-        for _ in range(2):
+        for text in ("one", "two", "three"):  # three conversations: their prefills by affinity
             with pytest.raises(Exception, match="decode"):
-                await pools.tokens()
+                _ = [r async for r in pools.router.generate(image_request(1, text=text))]
 
     asyncio.run(go())
-    assert pools.leases.released == {"p0:1": {"p0:1/kv1"}, "p1:1": {"p1:1/kv1"}}  # each at its producer
+    issued = {p.address: {f"{p.address}/kv{i + 1}" for i in range(len(p.requests))} for p in pools.prefills.values()}
+    assert pools.leases.released == {a: leases for a, leases in issued.items() if leases}  # each at its producer
+    assert sum(len(leases) for leases in issued.values()) == 3
 
 
 def test_an_incompatible_member_is_skipped_and_the_decode_check_names_the_prefill() -> None:
@@ -246,5 +249,54 @@ def test_pd_pool_spreads_and_retries_a_refusal_before_the_first_token() -> None:
         return list(await asyncio.gather(*(one() for _ in range(9))))
 
     assert asyncio.run(go()) == [[5, 6]] * 9
-    assert calls["pd0:1"] >= 4 and calls["pd1:1"] >= 4 and calls["pd0:1"] + calls["pd1:1"] == 9
+    # One conversation, nine at once: its member takes them while it is at most 1.5x the other's
+    # load plus one (services/router/pool.py, AFFINITY_LOAD); the rest go to the other.
+    assert calls["pd0:1"] >= 3 and calls["pd1:1"] >= 3 and calls["pd0:1"] + calls["pd1:1"] == 9
     assert 1 <= calls["pd2:1"] <= 3
+
+
+def test_a_conversation_keeps_its_member_within_a_bounded_load() -> None:
+    pool = MemberPool(["a", "b", "c"], stage="pd")
+    keys = [conversation_key(image_request(1, text=f"conversation {i}")) for i in range(60)]
+    owners = [pool.pick_affine(key) for key in keys]
+    assert owners == [pool.pick_affine(key) for key in keys]  # the same member every time
+    assert set(owners) == {"a", "b", "c"}  # keys spread over the members
+    key, owner = keys[0], owners[0]
+    other = next(a for a in pool.outstanding if a != owner)
+    pool.begin(owner)
+    assert pool.pick_affine(key) == owner  # busier, within the bound
+    for _ in range(3):
+        pool.begin(owner)
+    assert pool.pick_affine(key) != owner  # past 1.5x the least loaded plus one: the least loaded
+    assert pool.pick_affine(key, exclude={owner}) != owner
+    pool.update([a for a in pool.outstanding if a != other])  # another member leaves
+    assert all(pool.pick_affine(k) == o for k, o in zip(keys, owners, strict=True) if o != other and o != owner)
+
+
+def test_a_conversations_turns_share_a_key_that_its_tenant_and_media_change() -> None:
+    first = image_request(1, text="what is it")
+    later = generate_pb2.GenerateRequest()
+    later.CopyFrom(first)
+    later.messages.add(role=chat_pb2.CHAT_ROLE_ASSISTANT).parts.add(text="a square")
+    later.messages.add(role=chat_pb2.CHAT_ROLE_USER).parts.add(text="what colour")
+    assert conversation_key(later) == conversation_key(first)
+    salted = generate_pb2.GenerateRequest()
+    salted.CopyFrom(first)
+    salted.cache_salt = "tenant-b"
+    assert conversation_key(salted) != conversation_key(first)
+    assert conversation_key(image_request(1, text="what is it", same=True)) == conversation_key(first)
+    other_image = image_request(2, text="what is it")
+    assert conversation_key(other_image) != conversation_key(first)
+
+
+def test_a_conversation_moved_by_load_stays_where_its_last_turn_went() -> None:
+    pool = MemberPool(["a", "b"], stage="pd")
+    key = conversation_key(image_request(1, text="moved"))
+    owner = pool.pick_affine(key)
+    for _ in range(3):
+        pool.begin(owner)
+    moved = pool.pick_affine(key)
+    assert moved != owner
+    for _ in range(3):
+        pool.end(owner)
+    assert pool.pick_affine(key) == moved  # its prefix is there now, not at its hash owner

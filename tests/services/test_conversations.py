@@ -2,17 +2,19 @@
 resends the whole conversation), through real reference-engine stacks: the next turn reuses the
 prefix its earlier turn left in the prefill's prefix cache (`Usage.cached_prompt_tokens`) and
 answers with the same tokens as a prefill from nothing; another tenant (`cache_salt`) sending the
-same conversation reuses none of it."""
+same conversation reuses none of it; with two PD members, each conversation's turns meet their
+prefix on one member."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from libs.contract.epd.v1 import chat_pb2, generate_pb2, media_pb2, sampling_pb2
-from libs.launch.stack import Stack
+from libs.launch.stack import Stack, StackSpec
 from libs.model.media import synthetic
 from tests.support.stacks import run_requests
 
@@ -55,3 +57,18 @@ def test_the_next_turn_reuses_its_tenants_prefix_only(layout: str, stacks: Calla
     assert stranger.cached_prompt_tokens == 0, "another tenant's request reused this tenant's prefix"
     assert again.token_ids == stranger.token_ids, "tokens with reuse differ from a prefill from nothing"
     assert again.prompt_tokens == stranger.prompt_tokens
+
+
+def test_with_two_pd_members_each_conversation_meets_its_prefix(model_path: Path, tmp_path: Path) -> None:
+    """Several conversations over two PD members: the router sends every turn of a conversation to
+    the member holding its prefix (services/router/affinity.py), so each second turn reuses it."""
+    stack = Stack(StackSpec(layout="e+pd", encoders=1, pds=2, model=model_path, run_dir=tmp_path))
+    stack.up()
+    try:
+        tenants = [f"tenant-{i}" for i in range(4)]
+        firsts = run_requests(stack.address, [_turn(t, None) for t in tenants])
+        seconds = run_requests(stack.address, [_turn(t, f.text) for t, f in zip(tenants, firsts, strict=True)])
+        assert [s.cached_prompt_tokens > 0 for s in seconds] == [True] * len(tenants)
+    finally:
+        statuses = stack.down()
+    assert all(code == 0 for code in statuses.values()), statuses
