@@ -127,6 +127,12 @@ class PrefillTask:
             if layers is not None:
                 self.cache = build_cache(layers, [])  # type: ignore[assignment]
         self.cached_tokens = self.done  # prompt tokens whose KV came from the prefix cache
+        # Per modality, items whose every embedding row lies in that prefix (they were not needed).
+        self.reused_items: dict[str, int] = {}
+        for placed in self.prompt.items:
+            if all(start + rows <= self.done for start, rows in placed.row_spans()):
+                kind = placed.layout.modality.value
+                self.reused_items[kind] = self.reused_items.get(kind, 0) + 1
 
     @property
     def remaining(self) -> int:

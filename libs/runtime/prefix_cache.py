@@ -13,8 +13,9 @@ tenant what another sent.
 Blocks are as long as the runner's prefill chunks: a prompt that reuses k blocks then forwards
 exactly the chunks a prefill from nothing would after them, the same operations on the same
 inputs, so its tokens are the same bits, not merely close. Reuse leaves at least one prompt token
-to forward, whose logits give the first token. A block is useful only with every block before it, so a lookup stops at the first missing one; eviction drops
-the least recently used blocks while the cache holds more than its byte budget.
+to forward, whose logits give the first token. A block is useful only with every block before
+it, so a lookup stops at the first missing one; eviction drops the least recently used blocks
+while the cache holds more than its byte budget.
 
 Called on the one compute thread of a service (libs/serving/compute_thread.py); `stats` is read
 from the event loop (plain integers).

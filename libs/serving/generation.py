@@ -17,7 +17,7 @@ from libs.serving.compute_thread import ComputeThread, DecodeLoop, StepStats
 from libs.serving.convert import chunk_to_wire, engine_errors, messages_to_engine
 from libs.serving.embeddings import FetchedItems, fetch_encoded
 from libs.serving.transport import Transport
-from libs.telemetry.stages import record_duration, stage, start_phase
+from libs.telemetry.stages import record_duration, record_prompt, stage, start_phase
 
 T = TypeVar("T")
 Streamed = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
@@ -34,7 +34,7 @@ async def run_prefill(
     """Prefill on the compute thread; the fetched embedding slots go back once the engine is done
     with them - even when the caller is cancelled mid-prefill. `cache_salt`: the request's scope in
     the runner's prefix cache."""
-    with stage("prefill.compute", "prefill") as span:
+    with stage("prefill.compute", "prefill"):
         engine_messages = messages_to_engine(messages, fetched.items)
         task = asyncio.ensure_future(_chunked(thread, runner, engine_messages, sampling, cache_salt))
         try:
@@ -45,8 +45,6 @@ async def run_prefill(
                 fetched.release()
             else:
                 task.add_done_callback(lambda _: fetched.release())
-        span.set_attribute("epd.prompt_tokens", result.decode_state.prompt_tokens)
-        span.set_attribute("epd.prompt_cached_tokens", result.decode_state.cached_prompt_tokens)
         return result
 
 
@@ -77,6 +75,13 @@ async def _chunked(
     while not await thread.run_at(task.remaining, timed, task.step, runner.chunk_tokens):
         chunks += 1
     result: eng.PrefillResult = await thread.run(timed, task.finish)
+    state = result.decode_state
+    record_prompt(
+        trace.get_current_span(),
+        prompt_tokens=state.prompt_tokens,
+        cached_tokens=state.cached_prompt_tokens,
+        reused_items=getattr(task, "reused_items", {}),
+    )
     trace.get_current_span().set_attributes(
         {"epd.engine.busy_s": busy[0], "epd.prefill.chunks": chunks, "epd.prefill.chunk_tokens": runner.chunk_tokens}
     )

@@ -31,6 +31,14 @@ _tracer = trace.get_tracer("epd")
 _meter = metrics.get_meter("epd")
 _duration = _meter.create_histogram("epd.stage.duration", unit="s", description="Time spent in one stage")
 _bytes = _meter.create_counter("epd.transfer.bytes", unit="By", description="Tensor bytes moved between services")
+_prompt = _meter.create_counter(
+    "epd.prefill.prompt_tokens",
+    unit="{token}",
+    description="Prompt tokens prefilled, by whether a cached prefix held them",
+)
+_reused = _meter.create_counter(
+    "epd.prefill.reused_items", unit="{item}", description="Media items whose every row came from a cached prefix"
+)
 
 
 @contextmanager
@@ -55,6 +63,17 @@ def record_stage(name: str, kind: str, start_ns: int, end_ns: int, **attributes:
 def record_duration(name: str, kind: str, seconds: float) -> None:
     """A stage duration for a span managed by hand (`start_phase`)."""
     _duration.record(seconds, {"epd.stage": kind, "epd.span": name})
+
+
+def record_prompt(span: Span, *, prompt_tokens: int, cached_tokens: int, reused_items: dict[str, int]) -> None:
+    """What a prefill reused from its engine's prefix cache: on its span and in the counters
+    (`reused_items`: per modality, items wholly inside the reused prefix)."""
+    span.set_attributes({"epd.prompt_tokens": prompt_tokens, "epd.prompt_cached_tokens": cached_tokens})
+    for modality, count in reused_items.items():
+        span.set_attribute(f"epd.prompt_reused_{modality}_items", count)
+        _reused.add(count, {"epd.modality": modality})
+    _prompt.add(cached_tokens, {"epd.cached": True})
+    _prompt.add(prompt_tokens - cached_tokens, {"epd.cached": False})
 
 
 def record_transfer(span: Span, *, nbytes: int, seconds: float, transport: str, peers: int, direction: str) -> None:

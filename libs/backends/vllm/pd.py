@@ -38,7 +38,7 @@ from libs.contract.errors import EpdError
 from libs.model import types as eng
 from libs.serving import convert
 from libs.serving.speech import speech_capabilities, transcription_spec
-from libs.telemetry.stages import record_duration, record_stage, stage, start_phase
+from libs.telemetry.stages import record_duration, record_prompt, record_stage, stage, start_phase
 
 _log = structlog.get_logger(__name__)
 _FINISH = {"length": eng.FinishReason.LENGTH}
@@ -144,7 +144,9 @@ class VllmPrefillDecode(PrefillDecodeBackend):
             with stage("prefill.compute", "prefill", **{"epd.engine": "vllm"}) as prefill_span:
                 first = await engine.next(stream, deadline)
                 ticket.stepped()
-                prefill_span.set_attribute("epd.prompt_tokens", len(first.prompt_token_ids or ()))
+                prompt_tokens = len(first.prompt_token_ids or ())
+                cached = first.num_cached_tokens or 0
+                record_prompt(prefill_span, prompt_tokens=prompt_tokens, cached_tokens=cached, reused_items={})
             raise_load_failure(failure)  # before anything built on missing embeddings is streamed
             span = start_phase("decode.generate", **{"epd.stage": "decode", "epd.engine": "vllm"})
             out: Any = first

@@ -34,7 +34,7 @@ from libs.contract.epd.v1 import generation_pb2, prefill_pb2, stats_pb2
 from libs.contract.errors import EpdError, Unavailable
 from libs.model import types as eng
 from libs.serving import convert
-from libs.telemetry.stages import stage
+from libs.telemetry.stages import record_prompt, stage
 
 DEFAULT_MAX_TOKENS = 256  # as the reference runtime
 
@@ -183,7 +183,10 @@ class VllmPrefill(PrefillBackend):
                 out = await engine.next(stream, deadline)
                 while not out.finished:
                     out = await engine.next(stream, deadline)
-                span.set_attribute("epd.prompt_tokens", len(out.prompt_token_ids or ()))
+                cached = out.num_cached_tokens or 0
+                record_prompt(
+                    span, prompt_tokens=len(out.prompt_token_ids or ()), cached_tokens=cached, reused_items={}
+                )
             raise_load_failure(failure)  # embeddings that did not reach vLLM: nothing built on them leaves
             response = self._response(request, planned.prompt["prompt_token_ids"], sampling, out)
             handed = response.HasField("kv_cache")
