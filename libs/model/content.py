@@ -35,3 +35,13 @@ def media_hash(media: MediaInput) -> str:
     if media.audio_window_start_frame:
         options["audio_window_start_frame"] = media.audio_window_start_frame
     return digest(media.modality.value, options, media.data)
+
+
+def scoped(mm_hash: str, salt: str) -> str:
+    """An item's identity in an engine's caches: its content hash within its tenant (`salt`), so
+    equal media reuse one entry inside a tenant and never across tenants."""
+    if not salt:
+        return mm_hash
+    return hashlib.sha256(
+        b"epd.scoped\0" + salt.encode("utf-8", "surrogatepass") + b"\0" + mm_hash.encode()
+    ).hexdigest()

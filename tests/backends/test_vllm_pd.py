@@ -40,7 +40,9 @@ from libs.launch.stack import Stack
 from libs.model import types as eng
 from libs.model.media import synthetic
 from libs.rpc.server import open_channel
+from tests.support.conversations import turn
 from tests.support.openai_door import disconnect_mid_stream, openai_messages, running_door, traceparent
+from tests.support.stacks import run_requests
 from tests.support.vllm_stack import (
     TOKENS,
     TokenStream,
@@ -193,6 +195,23 @@ def test_a_seeded_prompt_prefilled_in_chunks_samples_reproducibly(
     first, again, other = (sampled_tokens(address, MIXES[mix], seed) for seed in (7, 7, 8))
     assert first == again
     assert other != first and first != expected[mix]  # sampled, not greedy
+    _wait_empty(vllm_epd_stack)
+
+
+def test_a_conversations_next_turn_reuses_its_tenants_prefix_image_included(vllm_epd_stack: Stack) -> None:
+    """Items are named by their content within the tenant (contract 1.8's cache_salt), so the next
+    turn of a conversation keeping its image hits vLLM's prefix cache past the image, another
+    tenant's identical turn hits nothing of it, two turns in flight together naming the same item
+    both complete, and every answer equals a prefill from nothing."""
+    address = vllm_epd_stack.address
+    (first,) = run_requests(address, [turn("tenant-a", None)])
+    follow_up = turn("tenant-a", first.text)
+    again, together = run_requests(address, [follow_up, follow_up])
+    (stranger,) = run_requests(address, [turn("tenant-b", first.text)])
+    image_end = first.prompt_tokens // 2  # the image and most of the first question lie before it
+    assert again.cached_prompt_tokens > image_end and together.cached_prompt_tokens > image_end
+    assert stranger.cached_prompt_tokens == 0
+    assert again.token_ids == together.token_ids == stranger.token_ids
     _wait_empty(vllm_epd_stack)
 
 

@@ -13,45 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from libs.contract.epd.v1 import chat_pb2, generate_pb2, media_pb2, sampling_pb2
 from libs.launch.stack import Stack, StackSpec
-from libs.model.media import synthetic
+from tests.support.conversations import turn
 from tests.support.stacks import run_requests
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(300)]
-
-IMAGE = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(448, 448, seed=11))
-# A first message long enough to fill several prefill chunks (the prefix cache's blocks).
-QUESTION = "look at the picture and tell me " + " ".join(f"what part {i} shows" for i in range(60))
-
-
-def _message(role: chat_pb2.ChatRole.ValueType, *parts: chat_pb2.ContentPart) -> chat_pb2.ChatMessage:
-    return chat_pb2.ChatMessage(role=role, parts=list(parts))
-
-
-def _turn(salt: str, answer: str | None) -> generate_pb2.GenerateRequest:
-    """The first turn, or (with the first turn's `answer`) the second, which resends the first."""
-    messages = [
-        _message(chat_pb2.CHAT_ROLE_USER, chat_pb2.ContentPart(media=IMAGE), chat_pb2.ContentPart(text=QUESTION))
-    ]
-    if answer is not None:
-        messages += [
-            _message(chat_pb2.CHAT_ROLE_ASSISTANT, chat_pb2.ContentPart(text=answer)),
-            _message(chat_pb2.CHAT_ROLE_USER, chat_pb2.ContentPart(text="and what colour is it")),
-        ]
-    return generate_pb2.GenerateRequest(
-        messages=messages, sampling=sampling_pb2.SamplingParams(max_tokens=8), cache_salt=salt
-    )
 
 
 @pytest.mark.parametrize("layout", ["e+pd", "e/p/d"])
 def test_the_next_turn_reuses_its_tenants_prefix_only(layout: str, stacks: Callable[[str], Stack]) -> None:
     stack = stacks(layout)
     tenant, other = f"tenant-{uuid.uuid4().hex}", f"tenant-{uuid.uuid4().hex}"  # scopes no other test used
-    (first,) = run_requests(stack.address, [_turn(tenant, None)])
+    (first,) = run_requests(stack.address, [turn(tenant, None)])
     assert first.cached_prompt_tokens == 0
-    (again,) = run_requests(stack.address, [_turn(tenant, first.text)])
-    (stranger,) = run_requests(stack.address, [_turn(other, first.text)])
+    (again,) = run_requests(stack.address, [turn(tenant, first.text)])
+    (stranger,) = run_requests(stack.address, [turn(other, first.text)])
     assert again.cached_prompt_tokens >= first.prompt_tokens // 2 > 0, "the second turn reused no image block"
     assert again.cached_prompt_tokens < again.prompt_tokens
     assert stranger.cached_prompt_tokens == 0, "another tenant's request reused this tenant's prefix"
@@ -66,8 +42,8 @@ def test_with_two_pd_members_each_conversation_meets_its_prefix(model_path: Path
     stack.up()
     try:
         tenants = [f"tenant-{i}" for i in range(4)]
-        firsts = run_requests(stack.address, [_turn(t, None) for t in tenants])
-        seconds = run_requests(stack.address, [_turn(t, f.text) for t, f in zip(tenants, firsts, strict=True)])
+        firsts = run_requests(stack.address, [turn(t, None) for t in tenants])
+        seconds = run_requests(stack.address, [turn(t, f.text) for t, f in zip(tenants, firsts, strict=True)])
         assert [s.cached_prompt_tokens > 0 for s in seconds] == [True] * len(tenants)
     finally:
         statuses = stack.down()

@@ -9,11 +9,14 @@ Who does what:
   or failed read holds or fails that request only, while vLLM's steps go on for every other
   sequence. It submits the request with one `SlotDescriptor` per item
   (`SamplingParams.extra_args["ec_transfer_params"]["epd_items"]`: {item uuid -> descriptor}, the
-  uuid being the request's `multi_modal_uuids` entry, unique per lease) and gives the slots back
-  once vLLM is done with the request.
+  uuid being the request's `multi_modal_uuids` entry: the item's content hash within its tenant,
+  so requests in flight together may name the same uuid, each with a slot of its own) and gives the
+  slots back once vLLM is done with the request.
 - **EngineCore** (scheduler role, this class, loaded by vLLM through `ec_connector_module_path`):
   records the request's items, answers that they are available (they are: in the service's
-  pool), hands the ones allocated in a step to the worker, fails a request the worker reports.
+  pool), hands the ones allocated in a step to the worker (each from the slot of the request it
+  is allocated for, which lives until that request finishes), fails a request the worker reports.
+  An item vLLM already holds (its encoder cache, or a prefix-cache hit past it) is never asked for.
 - **Worker** (worker role, this class): copies each item from the mapped pool into vLLM's encoder
   cache, on the engine's device, in the engine's dtype (Qwen3-VL: deepstack features next to the
   embeddings). A copy that fails (the pool cannot be mapped, a wrong descriptor) must not reach
@@ -82,7 +85,7 @@ class EpdECConnector(ECConnectorBase):
         dtype = vllm_config.model_config.dtype  # resolved to a torch.dtype once the config is built
         self._dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
         # scheduler side
-        self._known: dict[str, dict[str, Any]] = {}  # uuid -> descriptor, while its request lives
+        self._known: dict[str, dict[str, dict[str, Any]]] = {}  # uuid -> {request id -> descriptor}
         self._pending: dict[str, dict[str, Any]] = {}  # loads for the next worker step
         self._unavailable: set[str] = set()
         # worker side
@@ -92,8 +95,8 @@ class EpdECConnector(ECConnectorBase):
     # ---- scheduler side (EngineCore) -------------------------------------------------------------
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        items = (request.ec_transfer_params or {}).get("epd_items") or {}
-        self._known.update(items)
+        for uuid, descriptor in _items(request).items():
+            self._known.setdefault(uuid, {})[request.request_id] = descriptor
         return True  # the service read them into its pool before it submitted the request
 
     def has_cache_item(self, identifier: str) -> bool:
@@ -101,8 +104,9 @@ class EpdECConnector(ECConnectorBase):
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         uuid = request.mm_features[index].identifier
-        if uuid in self._known:
-            self._pending[uuid] = self._known[uuid]
+        descriptor = self._known.get(uuid, {}).get(request.request_id)
+        if descriptor is not None:
+            self._pending[uuid] = descriptor
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         meta = LoadMetadata(loads=dict(self._pending))
@@ -120,8 +124,12 @@ class EpdECConnector(ECConnectorBase):
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         for feature in request.mm_features:
-            self._known.pop(feature.identifier, None)
-            self._pending.pop(feature.identifier, None)
+            holders = self._known.get(feature.identifier, {})
+            mine = holders.pop(request.request_id, None)
+            if not holders:
+                self._known.pop(feature.identifier, None)
+            if mine is not None and self._pending.get(feature.identifier) is mine:
+                self._pending.pop(feature.identifier)  # its slot goes back with the request
         return False, None
 
     # ---- worker side -----------------------------------------------------------------------------
@@ -161,3 +169,8 @@ class EpdECConnector(ECConnectorBase):
 
     def shutdown(self) -> None:
         self._maps.close()
+
+
+def _items(request: Request) -> dict[str, dict[str, Any]]:
+    """The request's {uuid -> slot descriptor}, as the service submitted them."""
+    return dict((request.ec_transfer_params or {}).get("epd_items") or {})

@@ -112,7 +112,7 @@ class VllmPrefillDecode(PrefillDecodeBackend):
     ) -> AsyncGenerator[tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None], None]:
         request_id, priority = request.request_id, request.priority
         sampling = convert.sampling_to_engine(request.sampling)
-        planned = await asyncio.to_thread(self.planner.plan, request_id, request.messages, sampling)
+        planned = await asyncio.to_thread(self.planner.plan, request_id, request.messages, sampling, request.cache_salt)
         self.supervisor.engine()  # UNAVAILABLE before any read while the engine is down
         failure = failure_path(self._failure_dir, request_id)
         self._active += 1

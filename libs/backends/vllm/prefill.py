@@ -153,7 +153,9 @@ class VllmPrefill(PrefillBackend):
         self, request: prefill_pb2.PrefillRequest, deadline: float | None
     ) -> prefill_pb2.PrefillResponse:
         sampling = convert.sampling_to_engine(request.sampling)
-        planned = await asyncio.to_thread(self.planner.plan, request.request_id, request.messages, sampling)
+        planned = await asyncio.to_thread(
+            self.planner.plan, request.request_id, request.messages, sampling, request.cache_salt
+        )
         self.supervisor.engine()  # UNAVAILABLE before any read while the engine is down
         failure = failure_path(self._failure_dir, request.request_id)
         self._active += 1

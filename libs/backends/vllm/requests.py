@@ -10,9 +10,12 @@ the model consumes. The result:
   the layout metadata), as token ids;
 - `multi_modal_data`: the layout metadata only (grids, timestamps, audio feature lengths), no
   embeddings (vLLM's EC consumer path);
-- `multi_modal_uuids`: `<mm_hash>-<lease id>` per item, unique per lease, so vLLM never answers a
-  request from another request's cache entry; the service reads each lease once, into its shared
-  pool, and tells the EC connector where each uuid's tensors lie (`shared_pool.SlotDescriptor`).
+- `multi_modal_uuids`: each item's content hash within the request's tenant
+  (`libs.model.content.scoped`: mm_hash and `cache_salt`), so equal media share vLLM's encoder
+  cache and prefix-cache blocks inside a tenant and never across tenants (a conversation's next
+  turn reuses its image's KV); the service reads each lease once, into its shared pool, and tells
+  the EC connector where each uuid's tensors lie (`shared_pool.SlotDescriptor`). Speech items keep
+  `<mm_hash>-<lease id>`: vLLM caches no encoder-decoder prefix.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from libs.backends.vllm.video_decisions import (
 )
 from libs.contract.epd.v1 import chat_pb2, tensor_pb2
 from libs.contract.errors import InvalidArgument
+from libs.model import content
 from libs.model import types as eng
 from libs.model.checkpoint import Checkpoint
 from libs.model.errors import EmbeddingMismatchError
@@ -112,6 +116,7 @@ class RequestPlanner:
         request_id: str,
         messages: Sequence[chat_pb2.ChatMessage],
         sampling: eng.SamplingParams,
+        cache_salt: str = "",
     ) -> PlannedRequest:
         """Validate and build (nothing is read: the service reads the items it is given)."""
         parts = convert.media_parts(messages)
@@ -154,7 +159,7 @@ class RequestPlanner:
             spec = specs[layout.modality]
             _check_count(layout, self.merge, f"items[{index}].layout")
             _check_handle(handle, spec, layout.placeholder_token_count, field)
-            uuid = f"{layout.mm_hash}-{handle.lease_id}"
+            uuid = content.scoped(layout.mm_hash, cache_salt)
             kind = layout.modality.value
             uuids.setdefault(kind, []).append(uuid)
             ordered.append(uuid)
