@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from libs.contract.bounds import checked
 from libs.contract.epd.v1 import (
     chat_pb2,
     decode_pb2,
@@ -422,6 +424,17 @@ def validate_sampling(sampling: sampling_pb2.SamplingParams, path: str, limits: 
         raise _fail(f"{path}.logprobs", f"must be in [0, {limits.max_logprobs}], got {sampling.logprobs}")
 
 
+def sampling_params(
+    values: Mapping[str, Any], path: str = "sampling", limits: Limits = DEFAULT_LIMITS
+) -> sampling_pb2.SamplingParams:
+    """`SamplingParams` from plain values (an HTTP body's), refused as the router refuses it: each
+    value within its field's width (`bounds.checked`: what the wire guarantees a gRPC caller's
+    message), then `validate_sampling`, the check the router applies to every `Generate`."""
+    params = checked(sampling_pb2.SamplingParams, path, **values)
+    validate_sampling(params, path, limits)
+    return params
+
+
 # Beyond this a repetition penalty only zeroes the seen tokens' probabilities; bounded so a typo
 # (100 for 1.00) is refused rather than served.
 MAX_REPETITION_PENALTY = 10.0
@@ -569,10 +582,19 @@ def validate_decode_state(state: prefill_pb2.DecodeState, path: str, limits: Lim
 # --- requests --------------------------------------------------------------------------------
 
 
+MAX_CACHE_SALT_BYTES = 256
+
+
+def _check_cache_salt(salt: str) -> None:
+    if len(salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise _fail("cache_salt", f"is {len(salt.encode())} bytes; at most {MAX_CACHE_SALT_BYTES}")
+
+
 def validate_generate_request(req: generate_pb2.GenerateRequest, limits: Limits = DEFAULT_LIMITS) -> None:
     """Router / colocated `Generate`: client media inline or by URI; request id optional."""
     _check_request_id(req.request_id, "request_id", limits, required=False)
     _check_priority(req.priority)
+    _check_cache_salt(req.cache_salt)
     validate_messages(req.messages, "messages", limits, media_kind="media")
     validate_sampling(req.sampling, "sampling", limits)
 
@@ -599,6 +621,7 @@ def validate_prefill_request(req: prefill_pb2.PrefillRequest, limits: Limits = D
     """Prefill: metadata-only conversation (media only as `encoded`), KV transports."""
     _check_request_id(req.request_id, "request_id", limits)
     _check_priority(req.priority)
+    _check_cache_salt(req.cache_salt)
     validate_messages(req.messages, "messages", limits, media_kind="encoded")
     validate_sampling(req.sampling, "sampling", limits)
     _validate_transports(req.accepted_kv_transports, "accepted_kv_transports")
@@ -610,6 +633,7 @@ def validate_prefill_decode_request(
     """PD (E+PD layout): metadata-only conversation."""
     _check_request_id(req.request_id, "request_id", limits)
     _check_priority(req.priority)
+    _check_cache_salt(req.cache_salt)
     validate_messages(req.messages, "messages", limits, media_kind="encoded")
     validate_sampling(req.sampling, "sampling", limits)
 

@@ -1,14 +1,18 @@
 """The ASGI application: OpenAI's routes over the router's `Generate` (FastAPI, as vLLM's server).
 
-Each request is validated (pydantic; unknown fields refused), its media fetched (bounded,
-SSRF-safe: `libs/fetch`), turned into one `GenerateRequest` per choice and streamed back as
-OpenAI's objects or SSE chunks. Errors are OpenAI error objects (`libs/door/openai/errors.py`).
-A client that disconnects cancels its calls; `traceparent` continues into the router's spans.
+Each request is validated (a JSON body, strictly typed, unknown fields refused: libs/door/openai),
+its media fetched (bounded, SSRF-safe, the bytes held to the part's kind: `libs/fetch`), turned into
+one `GenerateRequest` per choice (every value within its contract field's width and the router's
+limits) and streamed back as OpenAI's objects or SSE chunks. Errors, unknown routes included, are
+OpenAI error objects (`libs/door/openai/errors.py`); every response is counted and every failure
+logged once (`libs/door/guard.py`). A client that disconnects cancels its calls; `traceparent`
+continues into the router's spans.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import time
@@ -23,18 +27,22 @@ import structlog
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.datastructures import UploadFile as StarletteUpload
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from tokenizers import Tokenizer
 
 from libs.contract.chunks import merge_responses
 from libs.contract.epd.v1 import generate_pb2, generation_pb2, media_pb2
 from libs.door.calls import GenerateCall
 from libs.door.calls import responses as choice_responses
+from libs.door.guard import CLIENT_CLOSED, Guard, Metrics, log_failure
+from libs.door.openai import body as json_body
 from libs.door.openai import chat, completions, errors, responses, transcription
-from libs.door.openai.errors import ApiError
+from libs.door.openai.errors import ApiError, excerpt
 from libs.door.openai.fields import parse
-from libs.fetch import FetchClient, MediaFetchError
+from libs.fetch import FetchClient, MediaFetchError, checked_media_type
 from libs.rpc.coalesce import coalesced
 
 T = TypeVar("T")
@@ -51,6 +59,7 @@ class DoorConfig:
     tokens: frozenset[str]  # bearer tokens the door accepts (empty: none needed), passed on to the router
     # What transcription needs of a speech model's vocabulary (Whisper), else None.
     speech: SpeechVocab | None = None
+    body_timeout_s: float = 60.0  # from a request's headers to the end of its body (408 beyond)
 
 
 @dataclass(frozen=True)
@@ -66,40 +75,15 @@ class Rendering:
     usage: Callable[[list[responses.Choice]], dict[str, Any]]
 
 
-class Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-        self.requests = Counter(
-            "epd_door_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
-        )
-        self.ttft = Histogram(
-            "epd_door_time_to_first_token_seconds", "seconds to the first token, per request", registry=self.registry
-        )
-        self.cancelled = Counter(
-            "epd_door_client_disconnects", "requests whose client left before the answer ended", registry=self.registry
-        )
-
-
-class _CountRequests:
-    """Requests by route and status, counted as the answer starts. A plain ASGI middleware:
-    starlette's `@app.middleware("http")` relays a streamed body through a queue and a task of its
-    own, event by event, a cost every token of every stream would pay."""
-
-    def __init__(self, app: Any, counter: Counter) -> None:
-        self.app = app
-        self.counter = counter
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def counted(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                self.counter.labels(scope["path"], str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counted)
+def tenant_salt(token: str | None, asked: str | None) -> str:
+    """A request's scope for cached prefixes (contract 1.8 `cache_salt`). With bearer tokens, the
+    caller's token, hashed, then the body's `cache_salt` inside it: a caller can split its own
+    scope but never name another caller's. Without tokens the door knows no caller: the body's
+    salt, or the deployment's one scope."""
+    if token is None:
+        return asked or ""
+    caller = hashlib.sha256(b"epd.tenant\0" + token.encode()).hexdigest()[:32]
+    return f"{caller}/{asked}" if asked else caller
 
 
 def _error_response(error: ApiError) -> JSONResponse:
@@ -121,8 +105,15 @@ async def _unless_disconnected(request: fastapi.Request, work: Awaitable[T]) -> 
         watcher.cancel()
     if not task.done():
         task.cancel()
-        raise ApiError(499, "the client closed the connection", code="client_closed_request")
+        raise _client_closed()
     return task.result()
+
+
+def _client_closed() -> ApiError:
+    return ApiError(CLIENT_CLOSED, "the client closed the connection", code="client_closed_request")
+
+
+_KINDS = {media_pb2.MODALITY_IMAGE: "image", media_pb2.MODALITY_VIDEO: "video", media_pb2.MODALITY_AUDIO: "audio"}
 
 
 def create_app(
@@ -134,20 +125,33 @@ def create_app(
 ) -> fastapi.FastAPI:
     """The application; its instruments go into `registry` (a new one when None), which its
     /metrics serves."""
-    app = fastapi.FastAPI(title="EPD OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    # No redirect from `/v1/chat/completions/` to the route: a path the door does not serve is a 404.
+    app = fastapi.FastAPI(
+        title="EPD OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False
+    )
     metrics = Metrics(CollectorRegistry() if registry is None else registry)
+    app.state.metrics = metrics  # the server counts the answers its connections give (libs/door/connections.py)
 
     @app.exception_handler(ApiError)
     async def api_error(request: fastapi.Request, exc: ApiError) -> JSONResponse:
+        log_failure(request.url.path, exc)
+        if exc.status == CLIENT_CLOSED:
+            metrics.cancelled.inc()
         return _error_response(exc)
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: fastapi.Request, exc: Exception) -> JSONResponse:
-        # Details go to the log, not to the client (as the gRPC services answer INTERNAL).
-        _log.error("unexpected error", path=request.url.path, exc_info=exc)
-        return _error_response(ApiError(500, "internal error", code="internal_error"))
-
-    app.add_middleware(_CountRequests, counter=metrics.requests)
+    @app.exception_handler(HTTPException)
+    async def http_error(request: fastapi.Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own refusals (no such route, a method the route does not take) as OpenAI's."""
+        where = f"{request.method} {excerpt(request.url.path)}"
+        if exc.status_code == 404:
+            error = ApiError(404, f"Invalid URL ({where})", code="unknown_url")
+        elif exc.status_code == 405:
+            error = ApiError(
+                405, f"Method not allowed ({where})", code="method_not_allowed", headers=dict(exc.headers or {})
+            )
+        else:
+            error = ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+        return await api_error(request, error)
 
     def authorize(request: fastapi.Request) -> str | None:
         """The caller's bearer token (passed on to the router); 401 when tokens are configured and
@@ -158,25 +162,42 @@ def create_app(
             raise ApiError(401, "missing or unknown bearer token", code="invalid_api_key")
         return token
 
-    async def body_of(request: fastapi.Request) -> Any:
+    def check_length(request: fastapi.Request, field: str) -> None:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            raise errors.too_large("body", f"{length} bytes, limit {config.max_body_bytes}")
+            raise errors.too_large(field, f"{excerpt(length)} bytes, limit {config.max_body_bytes}")
+
+    async def body_of(request: fastapi.Request) -> Any:
+        json_body.require_json(request.headers.get("content-type"))
+        check_length(request, "body")
         raw = bytearray()
-        async for piece in request.stream():
-            raw += piece
-            if len(raw) > config.max_body_bytes:
-                raise errors.too_large("body", f"over {config.max_body_bytes} bytes")
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not JSON: {exc}", code="invalid_json") from None
+            async with asyncio.timeout(config.body_timeout_s):
+                async for piece in request.stream():
+                    raw += piece
+                    if len(raw) > config.max_body_bytes:
+                        raise errors.too_large("body", f"over {config.max_body_bytes} bytes")
+        except ClientDisconnect:
+            raise _client_closed() from None
+        except TimeoutError:
+            raise body_timed_out("body") from None
+        return json_body.load(bytes(raw))
+
+    def body_timed_out(field: str) -> ApiError:
+        # The connection closes after it: the rest of the body would otherwise still be read.
+        return ApiError(
+            408,
+            f"the request body did not arrive within {config.body_timeout_s:g} s",
+            param=field,
+            code="request_timeout",
+            headers={"Connection": "close"},
+        )
 
     def check_model(model: str) -> None:
         if model not in (config.served_model, str(config.model_root)):
             raise ApiError(
                 404,
-                f"model {model!r} is not served here (this server serves {config.served_model!r})",
+                f"model {excerpt(model)!r} is not served here (this server serves {config.served_model!r})",
                 param="model",
                 code="model_not_found",
             )
@@ -188,14 +209,16 @@ def create_app(
 
             async def one(path: str, part: chat.MediaPart) -> tuple[str, media_pb2.MediaItem]:
                 modality, url = chat.media_source(part)
+                inline = url[:5].lower() == "data:"
                 try:
                     got = await fetcher.fetch(url)
+                    mime_type = checked_media_type(_KINDS[modality], got, claimed_by_client=inline)
                 except MediaFetchError as exc:
                     field = chat.source_field(path, part)
                     if exc.kind == "too_large":
                         raise errors.too_large(field, str(exc)) from None
                     raise errors.invalid(field, str(exc)) from None
-                return path, media_pb2.MediaItem(modality=modality, data=got.data, mime_type=got.mime_type, id=path)
+                return path, media_pb2.MediaItem(modality=modality, data=got.data, mime_type=mime_type, id=path)
 
             return dict(await asyncio.gather(*(one(p, part) for p, part in parts)))
         finally:
@@ -240,7 +263,7 @@ def create_app(
         def failed(exc: BaseException) -> BaseException:
             if isinstance(exc, ApiError):
                 exc = errors.relocate(exc, media_fields)
-                _record(span, exc, metrics)
+                _record(span, exc)
             return exc
 
         def add(index: int, response: generate_pb2.GenerateResponse) -> bool:
@@ -286,9 +309,14 @@ def create_app(
                         yield responses.sse(render.usage(choices))
                     finished = True
                     yield responses.DONE
-                except ApiError as exc:
+                except Exception as exc:
                     # Past the 200: OpenAI's servers report a mid-stream failure as an error event.
                     finished = True
+                    if not isinstance(exc, ApiError):
+                        _log.error("unexpected error", route=request.url.path, exc_info=exc)
+                        exc = ApiError(500, "internal error", code="internal_error")
+                    else:
+                        log_failure(request.url.path, exc)
                     yield responses.sse(cast(ApiError, failed(exc)).body())
                     yield responses.DONE
                 finally:
@@ -297,6 +325,7 @@ def create_app(
                         span.add_event("client disconnected")
                         span.set_status(Status(StatusCode.ERROR, "client disconnected"))
                         metrics.cancelled.inc()
+                        _log.info("client disconnected", route=request.url.path, during="stream")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -314,8 +343,11 @@ def create_app(
         async def prepared() -> list[generate_pb2.GenerateRequest]:
             media = await fetched_media(body)
             temperature = config.default_temperature
+            salt = tenant_salt(token, body.cache_salt)
             return [
-                chat.generate_request(body, media, request_id=request_id, choice=i, default_temperature=temperature)
+                chat.generate_request(
+                    body, media, request_id=request_id, choice=i, default_temperature=temperature, cache_salt=salt
+                )
                 for i in range(body.n)
             ]
 
@@ -339,8 +371,11 @@ def create_app(
         request_id = request_id_of(request)
         envelope = responses.Envelope(f"cmpl-{request_id}", body.model, int(time.time()))
         temperature = config.default_temperature
+        salt = tenant_salt(token, body.cache_salt)
         requests = [
-            completions.generate_request(body, request_id=request_id, choice=i, default_temperature=temperature)
+            completions.generate_request(
+                body, request_id=request_id, choice=i, default_temperature=temperature, cache_salt=salt
+            )
             for i in range(body.n)
         ]
 
@@ -367,13 +402,22 @@ def create_app(
             raise ApiError(
                 404, f"{config.served_model!r} is not a speech model: no transcriptions here", code="model_not_found"
             )
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            raise errors.too_large("file", f"{length} bytes, limit {config.max_body_bytes}")
-        try:
-            form = await request.form(
-                max_files=1, max_fields=len(transcription.FIELDS), max_part_size=config.max_body_bytes
+        form_type = request.headers.get("content-type", "")
+        if form_type.partition(";")[0].strip().lower() != "multipart/form-data":
+            shown = excerpt(form_type) if form_type else "none"
+            raise ApiError(
+                415, f"the body must be sent as multipart/form-data (got {shown})", code="unsupported_media_type"
             )
+        check_length(request, "file")
+        try:
+            async with asyncio.timeout(config.body_timeout_s):
+                form = await request.form(
+                    max_files=1, max_fields=len(transcription.FIELDS), max_part_size=config.max_body_bytes
+                )
+        except ClientDisconnect:
+            raise _client_closed() from None
+        except TimeoutError:
+            raise body_timed_out("file") from None
         except Exception as exc:
             raise ApiError(400, f"the request is not a valid multipart form: {exc}", code="invalid_form") from None
         upload = form.get("file")
@@ -397,7 +441,7 @@ def create_app(
             try:
                 chunks = await _unless_disconnected(request, whole())
             except ApiError as exc:
-                _record(span, exc, metrics)
+                _record(span, exc)
                 raise
         text = "".join(t for _, t in chunks).strip()
         if parsed.response_format == "text":
@@ -409,6 +453,8 @@ def create_app(
         found = transcription.segments(tokens, config.speech.timestamp_begin, config.speech.decode)
         return JSONResponse(transcription.verbose(text, found, transcription.duration_s(parsed.audio)))
 
+    routes = [route.path for route in app.routes if isinstance(route, fastapi.routing.APIRoute)]
+    app.add_middleware(Guard, counter=metrics.requests, routes=routes)
     return app
 
 
@@ -425,12 +471,11 @@ async def _prepend(head: T | None, rest: AsyncIterator[T]) -> AsyncIterator[T]:
         yield item
 
 
-def _record(span: trace.Span, exc: ApiError, metrics: Metrics) -> None:
+def _record(span: trace.Span, exc: ApiError) -> None:
     span.set_attribute("http.response.status_code", exc.status)
     span.set_status(Status(StatusCode.ERROR, exc.message[:200]))
-    if exc.status == 499:
+    if exc.status == CLIENT_CLOSED:
         span.add_event("client disconnected")
-        metrics.cancelled.inc()
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from libs.config import setting
 from libs.door.app import DoorConfig, create_app, whisper_vocab
 from libs.door.calls import GenerateCall
+from libs.door.connections import ConnectionBounds, bounded_http
 from libs.fetch import FetchClient, FetchLimits
 
 
@@ -40,6 +41,19 @@ class DoorHttpSettings:
     fetch_max_redirects: int = setting(3, "redirects followed per media URL")
     fetch_allow_private: bool = setting(
         False, "allow media URLs on loopback, link-local and private addresses (off: SSRF protection)"
+    )
+    # Connection bounds (libs/door/connections.py): what a reverse proxy in front would enforce.
+    header_timeout_s: float = setting(
+        10.0, "longest a request's headers may take, from the connection's start or its last answer (408 beyond)"
+    )
+    body_timeout_s: float = setting(
+        60.0, "longest a request's body may take after its headers, in seconds (408 beyond)"
+    )
+    max_header_kib: int = setting(32, "largest request line and headers together, in KiB (431 beyond)")
+    max_headers: int = setting(100, "most headers one request may carry (431 beyond)")
+    keep_alive_s: int = setting(5, "seconds an idle keep-alive connection stays open")
+    max_connections: int = setting(
+        2048, "connections open at once; one more is answered 503 and closed (keep under the file limit)"
     )
 
 
@@ -90,12 +104,22 @@ class DoorServer:
             max_body_bytes=settings.max_body_mib << 20,
             tokens=tokens,
             speech=whisper_vocab(settings.model),
+            body_timeout_s=settings.body_timeout_s,
         )
         self.tls = tls_cert is not None
         self.metrics = CollectorRegistry()  # the door's instruments, served on its /metrics
+        app = create_app(config, generate, self.fetch, health, self.metrics)
+        bounds = ConnectionBounds(
+            header_timeout_s=settings.header_timeout_s,
+            max_header_bytes=settings.max_header_kib << 10,
+            max_headers=settings.max_headers,
+            max_connections=settings.max_connections,
+        )
         self._server = _Uvicorn(
             uvicorn.Config(
-                create_app(config, generate, self.fetch, health, self.metrics),
+                app,
+                http=bounded_http(bounds, app.state.metrics.requests),
+                timeout_keep_alive=settings.keep_alive_s,
                 log_config=None,
                 access_log=False,
                 timeout_graceful_shutdown=int(grace_s),

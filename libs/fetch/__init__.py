@@ -2,7 +2,7 @@
 
 `FetchClient` owns one `aiohttp.ClientSession` for the process; `FetchClient.for_request()` gives a
 `MediaFetcher` that memoises per request. Failures are `MediaFetchError` with a `kind` the HTTP door
-maps to a status."""
+maps to a status; `checked_media_type` holds the bytes to the kind the request names."""
 
 from libs.fetch.media import (
     FetchClient,
@@ -12,6 +12,7 @@ from libs.fetch.media import (
     MediaFetchError,
     address_forbidden,
 )
+from libs.fetch.sniff import Sniffed, checked_media_type, sniff
 
 __all__ = [
     "FetchClient",
@@ -19,5 +20,8 @@ __all__ = [
     "Fetched",
     "MediaFetchError",
     "MediaFetcher",
+    "Sniffed",
     "address_forbidden",
+    "checked_media_type",
+    "sniff",
 ]

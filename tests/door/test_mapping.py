@@ -100,13 +100,28 @@ def test_defaults_follow_openai_and_leave_1_6_fields_unset() -> None:
         ({"max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
-        ({"stop": ["a", ""]}, "stop"),
+        ({"stop": ["a", ""]}, "stop[1]"),
+        ({"stop": ""}, "stop"),
+        ({"max_completion_tokens": 5000}, "max_completion_tokens"),
     ],
 )
 def test_inconsistent_fields_are_refused(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as caught:
         chat.generate_request(_body(**fields), {}, request_id="r", choice=0, default_temperature=1.0)
     assert caught.value.param == param
+
+
+def test_text_no_utf8_carries_is_refused_by_its_field() -> None:
+    """Whatever reached the model (the body reader refuses it first, `libs/door/openai/body.py`),
+    building the request refuses a lone surrogate naming the field, not with UnicodeEncodeError."""
+    for content, param in (
+        ("a\ud800", "messages[0].content"),
+        ([{"type": "text", "text": "\udfff"}], "messages[0].content[0].text"),
+    ):
+        body = _body(messages=[{"role": "user", "content": content}])
+        with pytest.raises(ApiError) as caught:
+            chat.generate_request(body, {}, request_id="r", choice=0, default_temperature=1.0)
+        assert (caught.value.status, caught.value.param) == (400, param)
 
 
 def test_media_parts_keep_their_order_and_audio_becomes_a_data_url() -> None:
@@ -166,7 +181,12 @@ def test_chunks_and_whole_completion() -> None:
         choice.add(end)
     whole = envelope.chat_completion([a, b], logprobs=False)
     assert [c["message"]["content"] for c in whole["choices"]] == ["x", "yz"]
-    assert whole["usage"] == {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33}
+    assert whole["usage"] == {
+        "prompt_tokens": 30,
+        "completion_tokens": 3,
+        "total_tokens": 33,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert envelope.usage_chunk("chat.completion.chunk", [a, b])["choices"] == []
 
 

@@ -6,7 +6,9 @@ from typing import Annotated, Literal
 
 import pydantic
 
+from libs.contract.bounds import checked
 from libs.contract.epd.v1 import chat_pb2, generate_pb2, media_pb2
+from libs.contract.errors import InvalidArgument
 from libs.door.openai.errors import invalid
 from libs.door.openai.fields import Body
 from libs.door.openai.sampling import SamplingFields
@@ -78,6 +80,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = pydantic.Field(default=None, ge=0, le=20)
     user: str | None = None  # accepted (OpenAI: the end user, for abuse monitoring); not used
+    # vLLM's extension: a scope for cached prefixes inside the caller's (libs/door/app.py, `tenant_salt`).
+    cache_salt: str | None = pydantic.Field(default=None, max_length=256)
 
     def token_budget(self) -> int | None:
         both = self.max_tokens is not None and self.max_completion_tokens is not None
@@ -133,17 +137,25 @@ def media_parts(body: ChatCompletionRequest) -> list[tuple[str, MediaPart]]:
     return found
 
 
+def text_part(text: str, field: str) -> chat_pb2.ContentPart:
+    """A text part, refused (400 naming `field`) if its text is no Unicode UTF-8 can carry."""
+    try:
+        return checked(chat_pb2.ContentPart, "part", text=text)
+    except InvalidArgument as exc:
+        raise invalid(field, exc.problem) from None
+
+
 def messages_to_wire(body: ChatCompletionRequest, media: dict[str, media_pb2.MediaItem]) -> list[chat_pb2.ChatMessage]:
     """The conversation with each media part replaced by its fetched item (keyed by field path)."""
     out = []
     for i, message in enumerate(body.messages):
         if isinstance(message.content, str):
-            parts = [chat_pb2.ContentPart(text=message.content)]
+            parts = [text_part(message.content, f"messages[{i}].content")]
         else:
             parts = []
             for j, part in enumerate(message.content):
                 if isinstance(part, TextPart):
-                    parts.append(chat_pb2.ContentPart(text=part.text))
+                    parts.append(text_part(part.text, f"messages[{i}].content[{j}].text"))
                 else:
                     parts.append(chat_pb2.ContentPart(media=media[f"messages[{i}].content[{j}]"]))
         if not parts:
@@ -159,15 +171,22 @@ def generate_request(
     request_id: str,
     choice: int,
     default_temperature: float,
+    cache_salt: str = "",
 ) -> generate_pb2.GenerateRequest:
-    """Choice `choice` (of `n`) of the request: choice i > 0 samples with seed + i."""
+    """Choice `choice` (of `n`) of the request: choice i > 0 samples with seed + i; `cache_salt`:
+    its scope for cached prefixes."""
+    budget_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     sampling = body.sampling(
         max_tokens=body.token_budget(),
         logprobs=body.logprob_count(),
         choice=choice,
         default_temperature=default_temperature,
+        fields={"max_tokens": budget_field, "logprobs": "top_logprobs"},
     )
     suffix = f"-{choice}" if body.n > 1 else ""
     return generate_pb2.GenerateRequest(
-        request_id=f"{request_id}{suffix}", messages=messages_to_wire(body, media), sampling=sampling
+        request_id=f"{request_id}{suffix}",
+        messages=messages_to_wire(body, media),
+        sampling=sampling,
+        cache_salt=cache_salt,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pydantic
 
 from libs.contract.epd.v1 import chat_pb2, generate_pb2
-from libs.door.openai.chat import StreamOptions
+from libs.door.openai.chat import StreamOptions, text_part
 from libs.door.openai.errors import invalid
 from libs.door.openai.sampling import SamplingFields
 
@@ -20,6 +20,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = pydantic.Field(default=None, ge=0, le=20)
     echo: bool = False
     user: str | None = None
+    # vLLM's extension: a scope for cached prefixes inside the caller's (libs/door/app.py, `tenant_salt`).
+    cache_salt: str | None = pydantic.Field(default=None, max_length=256)
 
     def text(self) -> str:
         prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
@@ -33,11 +35,18 @@ class CompletionRequest(SamplingFields):
 
 
 def generate_request(
-    body: CompletionRequest, *, request_id: str, choice: int, default_temperature: float
+    body: CompletionRequest, *, request_id: str, choice: int, default_temperature: float, cache_salt: str = ""
 ) -> generate_pb2.GenerateRequest:
-    message = chat_pb2.ChatMessage(role=chat_pb2.CHAT_ROLE_RAW, parts=[chat_pb2.ContentPart(text=body.text())])
+    prompt = text_part(body.text(), "prompt" if isinstance(body.prompt, str) else "prompt[0]")
+    message = chat_pb2.ChatMessage(role=chat_pb2.CHAT_ROLE_RAW, parts=[prompt])
     sampling = body.sampling(
-        max_tokens=body.max_tokens, logprobs=body.logprobs, choice=choice, default_temperature=default_temperature
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        choice=choice,
+        default_temperature=default_temperature,
+        fields={},
     )
     suffix = f"-{choice}" if body.n > 1 else ""
-    return generate_pb2.GenerateRequest(request_id=f"{request_id}{suffix}", messages=[message], sampling=sampling)
+    return generate_pb2.GenerateRequest(
+        request_id=f"{request_id}{suffix}", messages=[message], sampling=sampling, cache_salt=cache_salt
+    )

@@ -19,6 +19,12 @@ from libs.contract.errors import EpdError, InvalidArgument
 from libs.contract.grpc_status import ERROR_FIELD_METADATA_KEY
 from libs.contract.reasons import Reason, reason_of
 
+# How much of a client's input an error quotes: enough to recognise it, never the input itself (a
+# 2 MB model name is not answered with a 2 MB error).
+EXCERPT_CHARS = 64
+# Bounds on any error's text, whatever built it (a router's message, a fetch error quoting a URL).
+_MESSAGE_CHARS = 1024
+_PARAM_CHARS = 256
 # Seconds a client told to back off (429, 503 while draining) waits before retrying.
 RETRY_AFTER_S = 1
 # gRPC refuses a message over its size bound with RESOURCE_EXHAUSTED and this text: that is a
@@ -65,7 +71,16 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         kind = _TYPE_BY_HTTP.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        message = excerpt(self.message, _MESSAGE_CHARS)
+        param = excerpt(self.param, _PARAM_CHARS) if self.param is not None else None
+        return {"error": {"message": message, "type": kind, "param": param, "code": self.code}}
+
+
+def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """`text` (a client's, or quoting one) as an error may carry it: its first `limit` characters
+    and an ellipsis, lone surrogates escaped (`\\ud800`) so the error itself can be encoded."""
+    short = text if len(text) <= limit else text[:limit] + "..."
+    return short.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def invalid(param: str, message: str) -> ApiError:

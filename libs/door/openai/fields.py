@@ -1,5 +1,7 @@
 """Request-body validation shared by the OpenAI endpoints: pydantic models refuse unknown fields
-(an unsupported OpenAI field is an error, never silently dropped) and name the field at fault."""
+(an unsupported OpenAI field is an error, never silently dropped) and values of another JSON type
+(strict: `"0.5"` is no temperature, `"yes"` no boolean, `true` no integer), and name the field at
+fault."""
 
 from __future__ import annotations
 
@@ -8,13 +10,15 @@ from typing import Any
 
 import pydantic
 
-from libs.door.openai.errors import ApiError, invalid
+from libs.door.openai.errors import ApiError, excerpt, invalid
 
 
 class Body(pydantic.BaseModel):
-    """A request body (or a part of one): unknown fields are refused."""
+    """A request body (or a part of one): unknown fields are refused, and so is a value of another
+    type than its field's (pydantic's lax mode would take `"0.5"` for 0.5 and `true` for 1); an
+    integer stands for a float, as JSON does not tell them apart."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 def param_path(loc: Sequence[int | str]) -> str:
@@ -34,7 +38,7 @@ def parse(model: type[Body], raw: Any) -> Any:
     except pydantic.ValidationError as exc:
         # A union reports one error per member: the deepest names the field the client got wrong.
         first = max(exc.errors(include_url=False), key=lambda e: len(_field_loc(e["loc"])))
-        param = param_path(_field_loc(first["loc"])) or "body"
+        param = excerpt(param_path(_field_loc(first["loc"])), 128) or "body"
         message = "unknown or unsupported field" if first["type"] == "extra_forbidden" else first["msg"]
         raise invalid(param, message) from None
 

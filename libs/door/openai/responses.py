@@ -57,6 +57,7 @@ class Choice:
     chunks: list[generation_pb2.TokenChunk] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine reused from a cached prefix
 
     def add(self, response: generate_pb2.GenerateResponse) -> None:
         self.chunks.append(response.chunk)
@@ -65,15 +66,23 @@ class Choice:
         if response.HasField("usage"):
             self.prompt_tokens = response.usage.prompt_tokens
             self.completion_tokens = response.usage.completion_tokens
+            self.cached_tokens = response.usage.cached_prompt_tokens
 
 
-def usage(choices: Iterable[Choice]) -> dict[str, int]:
+def usage(choices: Iterable[Choice]) -> dict[str, Any]:
     """Prompt tokens once (every choice has the same prompt, media placeholders included),
-    completion tokens summed over the choices."""
+    completion tokens summed over the choices; the prompt tokens a cached prefix held, as OpenAI
+    reports them (`prompt_tokens_details.cached_tokens`)."""
     listed = list(choices)
     prompt = max((c.prompt_tokens for c in listed), default=0)
     completion = sum(c.completion_tokens for c in listed)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = min((c.cached_tokens for c in listed), default=0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 @dataclass(frozen=True)

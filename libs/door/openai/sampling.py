@@ -5,13 +5,19 @@ that its clients send: `top_k`, `min_tokens`, `repetition_penalty`, `ignore_eos`
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import pydantic
 
 from libs.contract.epd.v1 import sampling_pb2
+from libs.contract.errors import InvalidArgument
+from libs.contract.validation import DEFAULT_LIMITS, Limits, sampling_params
 from libs.door.openai.errors import invalid
 from libs.door.openai.fields import Body
 
 MAX_N = 16  # choices per request: each is one Generate call
+_CONTRACT_PATH = re.compile(r"^sampling\.(\w+)(?:\[(\d+)\])?")
 
 
 class SamplingFields(Body):
@@ -30,32 +36,52 @@ class SamplingFields(Body):
     ignore_eos: bool = False
 
     def sampling(
-        self, *, max_tokens: int | None, logprobs: int | None, choice: int, default_temperature: float
+        self,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        choice: int,
+        default_temperature: float,
+        fields: dict[str, str],
+        limits: Limits = DEFAULT_LIMITS,
     ) -> sampling_pb2.SamplingParams:
         """The contract's sampling for choice `choice`: with a seed, choice i draws from seed + i
-        (so the n choices differ and each is reproducible)."""
+        (so the n choices differ and each is reproducible). Refused as the router refuses it
+        (`libs.contract.validation.sampling_params`: each value within its field's width, then the
+        router's own checks), the error naming the body's field: `fields` maps the contract's
+        names this endpoint fills from another field (`max_tokens` from `max_completion_tokens`)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stop):
-            raise invalid("stop", "stop sequences must be non-empty")
-        if max_tokens is not None and self.min_tokens > max_tokens:
-            raise invalid("min_tokens", f"{self.min_tokens} is more than the {max_tokens} tokens allowed")
-        params = sampling_pb2.SamplingParams(
-            temperature=default_temperature if self.temperature is None else self.temperature,
-            top_k=max(self.top_k or 0, 0),
-            max_tokens=max_tokens or 0,
-            stop=stop,
-            stop_token_ids=self.stop_token_ids or [],
-        )
+        values: dict[str, Any] = {
+            "temperature": default_temperature if self.temperature is None else self.temperature,
+            "top_k": max(self.top_k or 0, 0),
+            "max_tokens": max_tokens or 0,
+            "stop": stop,
+            "stop_token_ids": self.stop_token_ids or [],
+        }
         # Contract 1.6 fields, set only when asked for (a request without them is a 1.5 request).
         for name in ("presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos"):
             if getattr(self, name):
-                setattr(params, name, getattr(self, name))
+                values[name] = getattr(self, name)
         if self.top_p is not None:
-            params.top_p = self.top_p
+            values["top_p"] = self.top_p
         if self.seed is not None:
-            params.seed = (self.seed + choice) % (1 << 63)
+            values["seed"] = (self.seed + choice) % (1 << 63)
         if self.repetition_penalty is not None:
-            params.repetition_penalty = self.repetition_penalty
+            values["repetition_penalty"] = self.repetition_penalty
         if logprobs is not None:
-            params.logprobs = logprobs
-        return params
+            values["logprobs"] = logprobs
+        try:
+            return sampling_params(values, "sampling", limits)
+        except InvalidArgument as exc:
+            raise invalid(self._body_field(exc.field, fields), exc.problem) from None
+
+    def _body_field(self, path: str, fields: dict[str, str]) -> str:
+        """The body's field a contract path (`sampling.stop[1]`) was filled from (`stop[1]`)."""
+        match = _CONTRACT_PATH.match(path)
+        if match is None:
+            return path
+        name, index = match.group(1), match.group(2)
+        name = fields.get(name, name)
+        if index is None or (name == "stop" and isinstance(self.stop, str)):
+            return name
+        return f"{name}[{index}]"
