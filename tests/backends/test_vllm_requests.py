@@ -1,6 +1,6 @@
 """The vLLM request planner (no vLLM needed): what would kill a vLLM engine is refused with
 INVALID_ARGUMENT naming the field; a valid conversation becomes a prompt with one placeholder per
-item, layout metadata only, and one EC descriptor per lease. Its live counterpart is
+item, layout metadata only, items named by their content within the tenant. Its live counterpart is
 test_vllm_pd.py (the same requests through a real vLLM engine)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 from libs.backends.vllm.requests import RequestPlanner
 from libs.contract.epd.v1 import chat_pb2, layout_pb2, media_pb2, tensor_pb2
 from libs.contract.errors import InvalidArgument
+from libs.model import content
 from libs.model import types as eng
 from libs.model.checkpoints import ensure_checkpoint
 
@@ -89,8 +90,10 @@ def test_a_valid_conversation_becomes_metadata_and_item_ids(planner: RequestPlan
     assert planned.prompt["prompt_token_ids"].count(image_id) == 2  # one placeholder per item
     assert planned.prompt["multi_modal_data"]["image"]["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 4]]
     uuids = planned.prompt["multi_modal_uuids"]["image"]
-    assert uuids == ["h" * 64 + "-lease-1", "h" * 64 + "-lease-2"]  # same item, two leases: two reads
+    assert uuids == ["h" * 64, "h" * 64]  # named by content: the same item's entries are shared
     assert planned.uuids == uuids  # in item order: the service reads them and says where each lies
+    salted = planner.plan("r2", _messages(first, second), SAMPLING, cache_salt="tenant-a")
+    assert salted.uuids == [content.scoped("h" * 64, "tenant-a")] * 2 != uuids  # within its tenant only
     assert planned.prompt_tokens == len(planned.prompt["prompt_token_ids"]) - 2 + 10
 
 
