@@ -8,7 +8,9 @@ image request; `max_tokens`; `image_w`/`image_h` (pixels); `video_frames`; `audi
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 
 from libs.contract.epd.v1 import generate_pb2, media_pb2, sampling_pb2
@@ -89,7 +91,7 @@ class PlannedRequest:
 
 
 class MediaFactory:
-    """Synthetic media by seed (imports the codecs lazily; memoised so repeats reuse bytes)."""
+    """Synthetic media by seed (imports the codecs lazily; memoised when the mix repeats items)."""
 
     def __init__(self, spec: MixSpec) -> None:
         self.spec = spec
@@ -99,31 +101,51 @@ class MediaFactory:
         from libs.model.media import synthetic  # PyAV, Pillow: only when media are built
 
         key = (kind, seed)
-        if key not in self._made:
+        data = self._made.get(key)
+        if data is None:
             s = self.spec
             if kind == "image":
-                self._made[key] = synthetic.png_bytes(s.image_w, s.image_h, seed=seed)
+                data = synthetic.png_bytes(s.image_w, s.image_h, seed=seed)
             elif kind == "video":
-                self._made[key] = synthetic.video_bytes(224, 168, frames=s.video_frames, fps=4, seed=seed)
+                data = synthetic.video_bytes(224, 168, frames=s.video_frames, fps=4, seed=seed)
             else:
-                self._made[key] = synthetic.wav_bytes(s.audio_s, seed=seed)
+                data = synthetic.wav_bytes(s.audio_s, seed=seed)
+            if s.repeat > 0:  # kept only when a later request may reuse it (an endless run's memory)
+                self._made[key] = data
         modality = {"image": media_pb2.MODALITY_IMAGE, "video": media_pb2.MODALITY_VIDEO}.get(
             kind, media_pb2.MODALITY_AUDIO
         )
-        return media_pb2.MediaItem(modality=modality, data=self._made[key])
+        return media_pb2.MediaItem(modality=modality, data=data)
 
 
-def plan_requests(spec: MixSpec, count: int, *, seed: int = 0, first_seed: int = 1) -> list[PlannedRequest]:
+def plan_requests(
+    spec: MixSpec,
+    count: int,
+    *,
+    seed: int = 0,
+    first_seed: int = 1,
+    on_progress: Callable[[int], None] | None = None,
+) -> list[PlannedRequest]:
     """`count` requests drawn from the mix; media seeds start at `first_seed` and never repeat
-    unless `spec.repeat` asks (then a share of items reuses an earlier item's seed)."""
+    unless `spec.repeat` asks (then a share of items reuses an earlier item's seed).
+    `on_progress(n)` hears of each request built (media take a while: a user wants to see them come)."""
+    out = []
+    for planned in itertools.islice(iter_requests(spec, seed=seed, first_seed=first_seed), count):
+        out.append(planned)
+        if on_progress is not None:
+            on_progress(len(out))
+    return out
+
+
+def iter_requests(spec: MixSpec, *, seed: int = 0, first_seed: int = 1) -> Iterator[PlannedRequest]:
+    """The requests of `plan_requests`, one at a time and without end (the same ones, in order)."""
     from libs.client.generate import build_request  # grpc channel helpers: not needed to sample
 
     rng = random.Random(seed)
     factory = MediaFactory(spec)
     used: list[int] = []
     next_seed = first_seed
-    out = []
-    for i in range(count):
+    for i in itertools.count():
         kind = sample_kind(spec, rng)
         media = []
         for _ in range(spec.images if kind == "image" else 0 if kind == "text" else 1):
@@ -135,5 +157,4 @@ def plan_requests(spec: MixSpec, count: int, *, seed: int = 0, first_seed: int =
             media.append(factory.make(kind, item_seed))
         sampling = sampling_pb2.SamplingParams(max_tokens=spec.max_tokens, temperature=0.0)
         request = build_request(_PROMPTS[kind], media, sampling=sampling, request_id=f"bench-{seed}-{i}")
-        out.append(PlannedRequest(kind, request))
-    return out
+        yield PlannedRequest(kind, request)

@@ -13,20 +13,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import signal
 import sys
 import threading
 from pathlib import Path
 
+import grpc
+
 from libs.backends.engines import encoder_refusal, model_type, refusal
-from libs.cli.router_client import ADDRESS_FILE, DEFAULT_RUN_DIR, UsageError, router_target, stream_to_stdout
+from libs.cli.help import EpdParser
+from libs.cli.router_client import (
+    ADDRESS_FILE,
+    DEFAULT_RUN_DIR,
+    Served,
+    UsageError,
+    router_target,
+    stream_to_stdout,
+)
 from libs.client.generate import build_request, media_from_file
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
+from libs.launch import rundir
 from libs.launch.config import DescriptionError, load_description, stack_spec
 from libs.launch.placement import Placement
-from libs.launch.process import LaunchError
 from libs.launch.stack import (
-    CLIENT_TOKEN,
     DOOR_IN_ROUTER,
     DOOR_PLACEMENTS,
     LAYOUTS,
@@ -34,7 +42,6 @@ from libs.launch.stack import (
     StackSpec,
     default_door_placement,
 )
-from libs.launch.supervisor import Supervisor
 
 DEFAULT_MODEL = Path("var/models/qwen2_5_omni-tiny")
 
@@ -60,8 +67,8 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a stack description (deploy/stacks/*.yaml): layout, roles, model, transport, cache, TLS from the file",
     )
-    parser.add_argument("--layout", choices=LAYOUTS, default=None, help="deployment layout (default e/p/d)")
-    parser.add_argument("--encoders", type=int, default=None, help="encoder processes (default 2)")
+    parser.add_argument("--layout", choices=LAYOUTS, default=None, help="deployment layout (default: e/p/d)")
+    parser.add_argument("--encoders", type=int, default=None, help="encoder processes (default: 2)")
     parser.add_argument(
         "--engine",
         choices=("reference", "vllm"),
@@ -76,12 +83,18 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
         help="engine of the encoders: the reference runtime, or vLLM encoder-only (Qwen2.5-VL, Qwen3-VL; any LM "
         "engine whose embedding contract matches)",
     )
-    parser.add_argument("--model", type=Path, default=None, help=f"checkpoint directory (default {DEFAULT_MODEL})")
-    parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="service logs go here")
+    parser.add_argument("--model", type=Path, default=None, help=f"checkpoint directory (default: {DEFAULT_MODEL})")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=DEFAULT_RUN_DIR,
+        help="the stack's directory: service logs, the router address its clients read, TLS material; one stack "
+        "at a time in each",
+    )
     parser.add_argument(
         "--trace-exporter", choices=("none", "jsonl", "otlp"), default="jsonl", help="where services send spans"
     )
-    parser.add_argument("--trace-file", type=Path, default=Path("var/traces/spans.jsonl"), help="for jsonl")
+    parser.add_argument("--trace-file", type=Path, default=Path("var/traces/spans.jsonl"), help="span file, for jsonl")
     parser.add_argument("--otlp-endpoint", default="127.0.0.1:4317", help="collector address, for otlp")
     parser.add_argument(
         "--cache-store",
@@ -90,7 +103,7 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
         help="start a Mooncake Store (master + holder) that the encoders share and the router looks items up in",
     )
     parser.add_argument(
-        "--cache-store-mib", type=int, default=None, help="memory the store's holder lends, in MiB (default 256)"
+        "--cache-store-mib", type=int, default=None, help="memory the store's holder lends, in MiB (default: 256)"
     )
     parser.add_argument(
         "--openai-door",
@@ -210,40 +223,21 @@ def _spec(ns: argparse.Namespace) -> StackSpec:
 
 
 def cmd_up(ns: argparse.Namespace) -> int:
-    stack = Stack(dataclasses.replace(_spec(ns), fixed_ports=ns.supervise))
+    from libs.cli.up import run_up
+
     try:
-        address = stack.up()
-    except LaunchError as exc:
+        lock = rundir.acquire(ns.run_dir)  # before anything slow: a second stack here is refused at once
+    except rundir.RunDirInUse as exc:
         print(f"epd up: {exc}", file=sys.stderr)
         return 1
-    supervisor = None
-    if ns.supervise:
-        supervisor = Supervisor(stack, on_event=lambda role, event: print(f"epd up: {role} {event}", flush=True))
-        supervisor.start()
-    address_file = ns.run_dir / ADDRESS_FILE
-    address_file.parent.mkdir(parents=True, exist_ok=True)
-    address_file.write_text(address)
-    pids = ", ".join(f"{name} {p.pid}" for name, p in stack.processes.items())
-    print(f"router listening on {address}  ({stack.spec.layout}; {pids}; logs in {ns.run_dir})", flush=True)
-    if stack.door_url:
-        print(f"OpenAI-compatible API at {stack.door_url}  (model {stack.spec.model.name})", flush=True)
-    if stack.spec.tls:
-        print(f"TLS: clients need {stack.tls_dir / 'ca.pem'} and the token in {stack.tls_dir / CLIENT_TOKEN}")
-    print("Ctrl-C stops the stack.", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    while not stop.wait(0.5):
-        dead = [name for name, p in stack.processes.items() if not p.alive()]
-        if dead and supervisor is None:
-            print(f"epd up: {', '.join(dead)} exited; stopping the stack", file=sys.stderr)
-            break
-    if supervisor is not None:
-        supervisor.stop()
-    statuses = stack.down()
-    address_file.unlink(missing_ok=True)
-    print(f"stopped: {statuses}", flush=True)
-    return 0
+    if lock.note:
+        print(f"epd up: {lock.note}", file=sys.stderr)
+    try:
+        stack = Stack(dataclasses.replace(_spec(ns), fixed_ports=ns.supervise))
+    except BaseException:
+        lock.release()
+        raise
+    return run_up(stack, lock, ns.supervise)
 
 
 def _sampling(ns: argparse.Namespace) -> sampling_pb2.SamplingParams:
@@ -272,13 +266,28 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         return 2
     media = [media_from_file(p, modality) for p, modality in files]
     request = build_request(ns.prompt, media, sampling=_sampling(ns))
-    return stream_to_stdout("epd generate", target, request, ns.timeout, first="ttft")
+    return stream_to_stdout("epd generate", target, request, ns.timeout, first="ttft", hint=_speech_hint)
+
+
+def _speech_hint(stack: Served | None, exc: grpc.aio.AioRpcError) -> str | None:
+    """A speech model refuses chat (INVALID_ARGUMENT: it takes no text prompt); name the command it takes."""
+    if stack is None or not stack.speech or exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    return f"the stack serves {stack.model or 'a speech model'}, a speech model: use `epd transcribe FILE`"
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
     from libs.cli.demo import run_demo
 
-    return run_demo(_spec(ns), trace_file=ns.trace_file if ns.trace_exporter == "jsonl" else None)
+    try:
+        lock = rundir.acquire(ns.run_dir)  # its logs would mix with a running stack's
+    except rundir.RunDirInUse as exc:
+        print(f"epd demo: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return run_demo(_spec(ns), trace_file=ns.trace_file if ns.trace_exporter == "jsonl" else None)
+    finally:
+        lock.release()
 
 
 def cmd_trace_report(ns: argparse.Namespace) -> int:
@@ -320,7 +329,7 @@ def cmd_trace_report(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="epd", description="EPD: disaggregated multimodal LLM serving")
+    parser = EpdParser(prog="epd", description="EPD: disaggregated multimodal LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start a stack on loopback until Ctrl-C")
@@ -334,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     gen = sub.add_parser("generate", help="send one request to a router and stream the reply")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the user turn's text (after the media)")
     gen.add_argument("--address", default="", help=f"router address (default: RUN_DIR/{ADDRESS_FILE})")
     gen.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="where `epd up` runs (address, tls/)")
     gen.add_argument("--tls-ca", type=Path, default=None, help="CA of the router's certificate (PEM): use TLS")
@@ -342,11 +351,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--image", type=Path, action="append", help="image file (repeatable)")
     gen.add_argument("--video", type=Path, action="append", help="video file (repeatable)")
     gen.add_argument("--audio", type=Path, action="append", help="audio file (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling: keep the likeliest tokens up to this mass (unset: 1, off)",
+    )
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    gen.add_argument(
+        "--seed", type=int, default=None, help="seed of the sampler, for a repeatable sample (unset: random)"
+    )
     gen.add_argument("--stop", action="append", help="stop sequence (repeatable)")
     gen.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
     gen.set_defaults(func=cmd_generate)

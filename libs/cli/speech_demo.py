@@ -16,6 +16,7 @@ import grpc
 
 from libs.client.generate import GenerationResult, generate, open_channel
 from libs.client.transcribe import audio_item, transcription_request
+from libs.launch import rundir
 from libs.launch.process import LaunchError
 from libs.launch.stack import Stack, StackSpec
 
@@ -100,7 +101,15 @@ def run_speech_demo(model: Path, run_dir: Path, trace_file: Path, engine: str = 
 
 
 def cmd_speech_demo(ns: argparse.Namespace) -> int:
-    return run_speech_demo(ns.model, ns.run_dir, ns.trace_file, ns.engine)
+    try:
+        lock = rundir.acquire(ns.run_dir)  # its logs would mix with a running stack's
+    except rundir.RunDirInUse as exc:
+        print(f"epd speech-demo: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return run_speech_demo(ns.model, ns.run_dir, ns.trace_file, ns.engine)
+    finally:
+        lock.release()
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -256,6 +256,11 @@ def _door_problems(doc: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def default_namespace(name: str) -> str:
+    """The Kubernetes namespace of a stack whose description names none."""
+    return f"epd-{name}"
+
+
 def parse_description(document: Any, source: Path) -> StackDescription:
     """Validate a parsed document; raises DescriptionError listing every problem by key."""
     if not isinstance(document, dict):
@@ -266,6 +271,9 @@ def parse_description(document: Any, source: Path) -> StackDescription:
     if problems:
         raise DescriptionError(f"{source}: " + "; ".join(problems))
     doc = _with_defaults(document, schema())
+    # Per stack: every stack's objects have the same names (epd-router, ...), so stacks that shared
+    # a namespace would overwrite each other.
+    doc["kubernetes"].setdefault("namespace", default_namespace(doc["name"]))
     roles = {}
     for name, role in doc["roles"].items():
         role = _with_defaults(role, schema()["properties"]["roles"]["properties"][name])

@@ -31,13 +31,23 @@ holder as Deployments of their own. Choices (docs/deploy.md says why):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from libs.launch.config import DOOR, MODEL_ROLES, POOLED, Role, StackDescription, env_name, env_value, role_settings
+from libs.launch.config import (
+    DOOR,
+    MODEL_ROLES,
+    POOLED,
+    DescriptionError,
+    Role,
+    StackDescription,
+    env_name,
+    env_value,
+    role_settings,
+)
 from libs.launch.process import ROOT
 
 PART_OF = "epd"
@@ -497,6 +507,13 @@ def overlay_files(desc: StackDescription, source: str) -> dict[str, str]:
     files = {f"{component(role.name)}.yaml": dump(role_documents(desc, role), source) for role in roles}
     if desc.store_enabled:
         files["store.yaml"] = dump(_store(desc), source)
+    # The stack's own namespace (docs/deploy.md), created by the same `kubectl apply -k`.
+    namespace = {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": desc["kubernetes"]["namespace"], "labels": {"app.kubernetes.io/name": PART_OF}},
+    }
+    files["namespace.yaml"] = dump([namespace], source)
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
@@ -508,7 +525,21 @@ def overlay_files(desc: StackDescription, source: str) -> dict[str, str]:
 
 
 def render(descriptions: list[StackDescription], root: Path) -> dict[Path, str]:
-    """Every file under `root` (deploy/k8s) for these descriptions, by path."""
+    """Every file under `root` (deploy/k8s) for these descriptions, by path. Stacks that would
+    share an overlay directory or a namespace are refused: every stack's objects have the same
+    names, so one would overwrite the other's."""
+    keys: dict[str, Callable[[StackDescription], str]] = {
+        "name": lambda d: d.name,
+        "kubernetes.namespace": lambda d: str(d["kubernetes"]["namespace"]),
+    }
+    for field, key in keys.items():
+        seen: dict[str, StackDescription] = {}
+        for desc in descriptions:
+            if (other := seen.setdefault(key(desc), desc)) is not desc:
+                raise DescriptionError(
+                    f"{_relative(other.source)} and {_relative(desc.source)} have the same {field} {key(desc)!r}: "
+                    f"one stack's objects would overwrite the other's; give each its own {field}"
+                )
     out = {root / "base" / name: text for name, text in base_files().items()}
     for desc in descriptions:
         source = _relative(desc.source)

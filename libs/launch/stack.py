@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,14 +282,29 @@ class Stack:
     def _door_url(self, address: str) -> str:
         return f"{'https' if self.spec.tls else 'http'}://{address}/v1"
 
-    def down(self) -> dict[str, int | None]:
-        """Stop the front doors first (no new work), then the back ends; returns exit statuses."""
+    def down(self, on_stopped: Callable[[str, int | None], None] | None = None) -> dict[str, int | None]:
+        """Stop the front doors first (no new work), then the back ends; returns exit statuses.
+        `on_stopped(name, status)` hears of each as it exits (each drains first, up to its grace
+        period: a launcher shows progress rather than seconds of silence)."""
         order = sorted(self.processes, key=lambda n: {"openai_door": 0, "router": 1}.get(n, 2))
-        statuses = {name: self.processes[name].stop() for name in order}
+        statuses: dict[str, int | None] = {}
+        for name in order:
+            statuses[name] = self.processes[name].stop()
+            if on_stopped is not None:
+                on_stopped(name, statuses[name])
         if self.store is not None:
             self.store.stop()
             self.store = None
         return statuses
+
+    def kill(self) -> dict[str, int | None]:
+        """SIGKILL every process at once (no drain: a user who will not wait); returns exit statuses."""
+        for process in self.processes.values():
+            process.kill()
+        if self.store is not None:
+            self.store.stop()
+            self.store = None
+        return {name: p.process.returncode if p.process is not None else None for name, p in self.processes.items()}
 
     @contextmanager
     def running(self) -> Iterator[Stack]:

@@ -93,6 +93,11 @@ class PeerChecks:
                 self._backend = info
         return self._backend
 
+    @property
+    def checked_backend(self) -> service_info_pb2.ServiceInfo | None:
+        """The model-serving side's info once `backend()` checked it; None before first contact."""
+        return self._backend
+
     async def _decode_against(self, address: str, prefill: service_info_pb2.ServiceInfo, prefill_address: str) -> None:
         info = await self._member(address, [ROLE.SERVICE_ROLE_DECODE], prefill.model)
         check_engine_pair(prefill, prefill_address, info, address)

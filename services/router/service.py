@@ -106,6 +106,29 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 yield response
 
 
+# The capability speech services advertise (libs/serving/speech.py, which loads torch to say it).
+SPEECH_TRANSCRIPTION = "speech.transcription"
+
+
+def stack_info(
+    own: service_info_pb2.ServiceInfo, backend: service_info_pb2.ServiceInfo | None
+) -> service_info_pb2.ServiceInfo:
+    """The router's ServiceInfo with what its stack serves, once its first contact checked the
+    model side: the model and, for a speech model, the transcription spec and capability. Clients
+    reach only the router; this is how they tell a speech stack from a chat one (`epd transcribe`
+    and `epd generate` refuse the wrong one) without a request that would be answered wrongly."""
+    if backend is None:
+        return own
+    out = service_info_pb2.ServiceInfo()
+    out.CopyFrom(own)
+    out.model.CopyFrom(backend.model)
+    if backend.HasField("transcription"):
+        out.transcription.CopyFrom(backend.transcription)
+    if SPEECH_TRANSCRIPTION in backend.capabilities:
+        out.capabilities.append(SPEECH_TRANSCRIPTION)
+    return out
+
+
 async def setup(settings: RouterSettings) -> ServiceParts:
     """Wire the router from settings; channels to every backend are shared through one directory."""
     if not settings.encoders:
@@ -126,10 +149,11 @@ async def setup(settings: RouterSettings) -> ServiceParts:
                 settings.decode, stage="decode", refresh_s=settings.discovery_refresh_s, peers=peers
             )
             memberships += [prefills, decodes]
+            checks = PeerChecks(peers, prefill=stages.prefill, decode=stages.decode)
             stubs = StageStubs(
                 encoder=encoder,
                 lease=lease,
-                checks=PeerChecks(peers, prefill=stages.prefill, decode=stages.decode),
+                checks=checks,
                 prefill=lambda a: prefill_pb2_grpc.PrefillServiceStub(peers.channel(a)),
                 decode=lambda a: decode_pb2_grpc.DecodeServiceStub(peers.channel(a)),
             )
@@ -140,10 +164,11 @@ async def setup(settings: RouterSettings) -> ServiceParts:
                 settings.pd, stage="pd", refresh_s=settings.discovery_refresh_s, peers=peers
             )
             memberships.append(pds)
+            checks = PeerChecks(peers, prefill=stages.pd, decode=None)
             stubs = StageStubs(
                 encoder=encoder,
                 lease=lease,
-                checks=PeerChecks(peers, prefill=stages.pd, decode=None),
+                checks=checks,
                 prefill_decode=lambda a: prefill_decode_pb2_grpc.PrefillDecodeServiceStub(peers.channel(a)),
             )
     except MembershipError as exc:
@@ -200,7 +225,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
                 "epd.v1.GenerateService",
             )
         ],
-        info=lambda: info,
+        info=lambda: stack_info(info, checks.checked_backend),
         close=close,
         drain=drainer(admission),
         # Mooncake's transfer engine picks its own ports: set the client up once ours is bound.

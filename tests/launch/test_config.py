@@ -299,7 +299,7 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
             timeout=60,
         )
         assert reply.returncode == 0, reply.stderr
-        assert re.search(r"4 tokens, FINISH_REASON_LENGTH", reply.stderr), reply.stderr
+        assert re.search(r"4 tokens, length", reply.stderr), reply.stderr
         log = (run_dir / "encoder-0.log").read_text()
         encoder = re.search(r"^encoder listening on (\S+)$", log, re.MULTILINE)
         assert encoder is not None
@@ -332,7 +332,7 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
         out, _ = up.communicate(timeout=60)
     assert up.returncode == 0, out
     assert "stopped: {" in out
-    assert re.search(r"^OpenAI-compatible API at http://\S+/v1", out, re.MULTILINE), out
+    assert re.search(r"^OpenAI-compatible API \(model omni-tiny\): base_url=http://\S+/v1$", out, re.MULTILINE), out
 
 
 @pytest.mark.unit

@@ -284,7 +284,9 @@ def test_each_overlay_builds_with_the_base(description: Path) -> None:
     built = list(documents(out.stdout))
     assert sorted((d["kind"], d["metadata"]["name"]) for d in built) == expected
     namespace = load_description(description)["kubernetes"]["namespace"]
-    assert all(d["metadata"].get("namespace") == namespace for d in built)
+    (created,) = [d for d in built if d["kind"] == "Namespace"]  # the overlay creates its own
+    assert created["metadata"]["name"] == namespace
+    assert all(d["metadata"].get("namespace") == namespace for d in built if d is not created)
 
 
 @pytest.mark.unit
@@ -373,7 +375,7 @@ def test_the_door_renders_in_every_layout_with_tls(layout: str) -> None:
         _validate(d)
     settings, pod, container, service = _door(docs)
     front = "colocated" if layout == "colocated" else "router"
-    assert settings.router == f"epd-{front}.epd.svc.cluster.local:{desc.roles[front].port}"
+    assert settings.router == f"epd-{front}.epd-door.svc.cluster.local:{desc.roles[front].port}"
     assert (settings.fetch_allow_private, settings.max_body_mib, settings.port) == (True, 8, 8443)
     assert str(settings.tls_cert) == "/etc/epd/tls/tls.crt" and str(settings.tls_ca) == "/etc/epd/tls/ca.crt"
     assert str(settings.auth_tokens_file) == "/etc/epd/tokens/tokens"

@@ -5,8 +5,9 @@ script, stopped by its PID:
   service exits 0, and the last request, whose media the earlier ones carried, shows 0 in its
   `encode` column and a `cache_load` above 0, in the printed table and in the traces;
 - `epd up` / `epd generate` / `epd trace report`: the stack comes up, generate prints what the
-  router streams (the same text a Python client gets; a seeded sample twice the same), Ctrl-C stops
-  every service cleanly, and the report splits the requests' time to first token.
+  router streams (the same text a Python client gets; a seeded sample twice the same), transcribe
+  is refused on this chat model (the router advertises it), Ctrl-C stops every service cleanly, and
+  the report splits the requests' time to first token.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import re
 import shlex
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,7 @@ from libs.launch.process import ROOT
 from libs.model.media import synthetic
 from libs.telemetry.report import breakdowns
 from libs.telemetry.spans import load_jsonl
-from tests.support.epd_cli import EPD, cli_env, parse_table, run_epd
+from tests.support.epd_cli import EPD, Lines, cli_env, parse_table, run_epd
 from tests.support.stacks import run_requests
 
 pytestmark = pytest.mark.stack
@@ -81,15 +81,6 @@ def test_make_run_demo(model_path: Path, tmp_path: Path) -> None:
     assert (spans.parent / "waterfall.html").read_text().count("<svg") >= 1
 
 
-def _wait_for_address(process: subprocess.Popen[str], path: Path, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"epd up did not come up (status {process.poll()})")
-        time.sleep(0.1)
-    return path.read_text().strip()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_epd_up_generate_and_trace_report(model_path: Path, tmp_path: Path) -> None:
@@ -105,12 +96,14 @@ def test_epd_up_generate_and_trace_report(model_path: Path, tmp_path: Path) -> N
         stderr=subprocess.STDOUT,
         text=True,
     )
+    lines = Lines(up)
     try:
-        address = _wait_for_address(up, run_dir / "router.address", 240)
+        lines.until(r"^Ctrl-C stops the stack\.$", 240)  # after the address file is written
+        address = (run_dir / "router.address").read_text()
         prompt = ["what is in this image", "--image", str(image), "--run-dir", str(run_dir)]
         greedy = run_epd(["generate", *prompt, "--max-tokens", "12"], cwd=tmp_path, timeout_s=120)
         assert greedy.returncode == 0, greedy.stderr
-        assert re.search(r"\] 12 tokens, FINISH_REASON_LENGTH, ttft [\d.]+ ms", greedy.stderr), greedy.stderr
+        assert re.search(r"\] 12 tokens, length, ttft [\d.]+ ms", greedy.stderr), greedy.stderr
         # What it printed is what the router streams (a Python client's request, same bytes).
         request = build_request(
             "what is in this image",
@@ -124,19 +117,22 @@ def test_epd_up_generate_and_trace_report(model_path: Path, tmp_path: Path) -> N
         ]
         assert all(s.returncode == 0 for s in seeded)
         assert seeded[0].stdout == seeded[1].stdout != greedy.stdout
+        # The router advertises its back ends' model: a transcription is refused on a chat model.
+        clip = tmp_path / "speech.wav"
+        clip.write_bytes(synthetic.wav_bytes(1.0, seed=3))
+        refused = run_epd(["transcribe", str(clip), "--run-dir", str(run_dir)], tmp_path, 60)
+        assert refused.returncode == 2, refused.stderr
+        assert f"the stack serves {model_path.name}, which is not a speech model" in refused.stderr
     finally:
         up.send_signal(signal.SIGINT)  # Ctrl-C
-        try:
-            out, _ = up.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            out, _ = up.communicate()
+    out = lines.rest(120)
+    up.wait(60)
     assert up.returncode == 0, out
     listening = re.search(r"^router listening on \S+ +\(e\+pd; (.*); logs in", out, re.MULTILINE)
     assert listening is not None, out
     pids = {name: int(pid) for name, pid in (p.rsplit(" ", 1) for p in listening.group(1).split(", "))}
     assert set(pids) == {"encoder-0", "pd", "router"}  # the door in the router's process: the default
-    assert re.search(r"^OpenAI-compatible API at http://\S+/v1  \(model ", out, re.MULTILINE), out
+    assert re.search(r"^OpenAI-compatible API \(model \S+\): base_url=http://\S+/v1$", out, re.MULTILINE), out
     statuses = re.search(r"^stopped: (\{.*\})$", out, re.MULTILINE)
     assert statuses is not None and set(re.findall(r": (-?\d+|None)", statuses.group(1))) == {"0"}, out
     assert not (run_dir / "router.address").exists()
