@@ -18,13 +18,12 @@ import grpc
 
 from libs.client.generate import GenerationResult, generate, open_channel
 from libs.contract.epd.v1 import generate_pb2, service_info_pb2, service_info_pb2_grpc
+from libs.contract.validation import SPEECH_TRANSCRIPTION
 from libs.launch import rundir
 from libs.launch.stack import CLIENT_TOKEN, TLS_DIR
 
 ADDRESS_FILE = "router.address"  # in the run directory, while `epd up` runs
 DEFAULT_RUN_DIR = Path("var/run/stack")  # where `epd up` runs, and where its clients look
-# The capability speech services advertise (libs/serving/speech.py; importing it would load torch).
-SPEECH_TRANSCRIPTION = "speech.transcription"
 # Finish reasons as OpenAI clients and `vllm` print them, not the contract's enum names.
 FINISH_REASONS = {
     "FINISH_REASON_STOP": "stop",

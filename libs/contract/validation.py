@@ -451,6 +451,11 @@ def uses_since_1_6(sampling: sampling_pb2.SamplingParams) -> str | None:
     return None
 
 
+# Contract 1.4: the encoder, prefill and decode services of an encoder-decoder speech model
+# (Whisper) advertise this: they take window starts, cross-attention items and caches, and the
+# timestamps flag; a router advertises it for a stack that serves such a model.
+SPEECH_TRANSCRIPTION = "speech.transcription"
+
 # Contract 1.6: prefill and PD services that take a raw prompt (CHAT_ROLE_RAW) advertise this.
 RAW_PROMPT_CAPABILITY = "prompt.raw"
 

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from libs.contract.epd.v1 import service_info_pb2
+from libs.contract.validation import SPEECH_TRANSCRIPTION
 from libs.model.families.base import FamilyAdapter
 from libs.model.families.whisper import WhisperAdapter
-
-# Encoder, prefill and decode services of a Whisper checkpoint: they take window starts,
-# cross-attention items and caches, and the timestamps flag.
-SPEECH_TRANSCRIPTION = "speech.transcription"
 
 
 def speech_capabilities(adapter: FamilyAdapter) -> tuple[str, ...]:

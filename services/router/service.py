@@ -22,6 +22,7 @@ from libs.contract.epd.v1 import (
     prefill_pb2_grpc,
     service_info_pb2,
 )
+from libs.contract.validation import SPEECH_TRANSCRIPTION
 from libs.door.in_process import Listener, with_door
 from libs.door.server import DoorHttpSettings
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
@@ -104,10 +105,6 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         async with admitted(self._admission, request, context) as deadline:
             async for response in self._router.generate(request, cap if deadline is None else min(deadline, cap)):
                 yield response
-
-
-# The capability speech services advertise (libs/serving/speech.py, which loads torch to say it).
-SPEECH_TRANSCRIPTION = "speech.transcription"
 
 
 def stack_info(
