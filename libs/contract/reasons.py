@@ -38,6 +38,7 @@ class Reason(enum.StrEnum):
     KV_GONE = "KV_GONE"  # the KV cache a decode was handed is gone: recompute
     ENGINE_RESTARTING = "ENGINE_RESTARTING"  # the service's engine died and is restarting
     OVERLOADED = "OVERLOADED"  # a bounded queue or pool is full: back off
+    EMBEDDING_NEEDED = "EMBEDDING_NEEDED"  # a held item is not in the member's prefix cache: encode it
 
 
 # Codes a failed read of data another process holds (embeddings, KV) answers when the data is no

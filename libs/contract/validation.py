@@ -324,6 +324,12 @@ def validate_encoded_media(item: layout_pb2.EncodedMedia, path: str, limits: Lim
     if not item.HasField("layout"):
         raise _fail(f"{path}.layout", "is required")
     validate_item_layout(item.layout, f"{path}.layout", limits)
+    if item.prefix_held:  # contract 1.9: the member's prefix cache holds it; nothing to read
+        if item.HasField("embeddings"):
+            raise _fail(f"{path}.embeddings", "must be unset with prefix_held")
+        if item.layout.cross_attention_rows:
+            raise _fail(f"{path}.prefix_held", "an encoder-decoder item is never held in a prefix cache")
+        return
     if not item.HasField("embeddings"):
         raise _fail(f"{path}.embeddings", "is required")
     validate_tensor_handle(item.embeddings, f"{path}.embeddings", limits)
@@ -463,6 +469,10 @@ RAW_PROMPT_CAPABILITY = "prompt.raw"
 def raw_prompt(messages: Sequence[chat_pb2.ChatMessage]) -> bool:
     return any(message.role == chat_pb2.CHAT_ROLE_RAW for message in messages)
 
+
+# Contract 1.9: prefill and PD services whose prefix cache can stand in for an item's embeddings
+# (`EncodedMedia.prefix_held`) advertise this; the router sends held items only to them.
+HELD_ITEMS_CAPABILITY = "prefix.held_items"
 
 # Contract 1.6: advertised by prefill, decode and PD services that implement these fields; the
 # router sends a request setting one only to such peers.

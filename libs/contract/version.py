@@ -5,7 +5,7 @@ from __future__ import annotations
 from libs.contract.epd.v1 import service_info_pb2
 
 CONTRACT_MAJOR = 1
-CONTRACT_MINOR = 8
+CONTRACT_MINOR = 9
 
 
 def current() -> service_info_pb2.ContractVersion:

@@ -49,6 +49,13 @@ class KvMismatchError(EngineError):
     kind = ErrorKind.FAILED_PRECONDITION
 
 
+class PrefixMissError(EngineError):
+    """An item sent as held in the prefix cache (no embeddings) is not covered by it: the caller
+    must send its embeddings."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
 class CheckpointError(EngineError):
     """The checkpoint directory is unusable (missing files, unknown family, missing tensors)."""
 

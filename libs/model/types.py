@@ -139,6 +139,9 @@ class EncodedItem:
 
     layout: ItemLayout
     tensors: dict[str, torch.Tensor]
+    # Stands in for an item whose rows the prefix cache must hold (contract 1.9, `prefix_held`): its
+    # tensors are zeros of the right shape, never forwarded; a prefill not covering every row fails.
+    held: bool = False
 
     @property
     def embeddings(self) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from libs.model.errors import EmbeddingMismatchError
+from libs.model.errors import EmbeddingMismatchError, PrefixMissError
 from libs.model.prompt import Prompt, build_prompt
 from libs.model.types import ChatMessage, DecodeState, EncodedItem, PrefillResult, SamplingParams
 from libs.runtime.encoder_decoder import EncoderDecoderPrefill
@@ -34,6 +34,14 @@ class PrefillRunner:
         self.chunk_tokens = chunk_tokens  # prompt tokens per forward when run in chunks (services)
         self.prefix_cache = prefix_cache  # None: every prompt is forwarded whole
         self.specs = {spec.modality: spec for spec in runtime.expected_specs()}
+
+    @property
+    def holds_items(self) -> bool:
+        """Whether its prefix cache can stand in for items' embeddings (contract 1.9, `prefix_held`):
+        a family with per-token extras (deepstack) prefills whole, past the cache, and an
+        encoder-decoder model keeps no prefix."""
+        extras = any(spec.extra_tensors for spec in self.specs.values())
+        return self.prefix_cache is not None and not extras and not self.runtime.adapter.is_encoder_decoder
 
     def _check_item(self, index: int, item: EncodedItem) -> None:
         spec = self.specs[item.layout.modality]
@@ -127,6 +135,17 @@ class PrefillTask:
             if layers is not None:
                 self.cache = build_cache(layers, [])  # type: ignore[assignment]
         self.cached_tokens = self.done  # prompt tokens whose KV came from the prefix cache
+        missing = [
+            index
+            for index, (placed, item) in enumerate(zip(self.prompt.items, self.prompt.encoded, strict=True))
+            if item.held and any(start + rows > self.done for start, rows in placed.row_spans())
+        ]
+        if missing:  # its zeros would be forwarded as if they were the image
+            raise PrefixMissError(
+                f"items[{missing[0]}] was sent as held in the prefix cache, which covers {self.done} of the "
+                f"prompt's {self.total} tokens: send its embeddings",
+                field=f"items[{missing[0]}]",
+            )
         # Per modality, items whose every embedding row lies in that prefix (they were not needed).
         self.reused_items: dict[str, int] = {}
         for placed in self.prompt.items:

@@ -16,8 +16,9 @@ from libs.contract.epd.v1 import (
     service_info_pb2,
     tensor_pb2,
 )
+from libs.contract.reasons import Reason
 from libs.model import types as eng
-from libs.model.errors import EngineError, ErrorKind
+from libs.model.errors import EngineError, ErrorKind, PrefixMissError
 
 MODALITY_TO_ENGINE = {
     media_pb2.MODALITY_IMAGE: eng.Modality.IMAGE,
@@ -57,7 +58,9 @@ def engine_errors(field_prefix: str = "") -> Iterator[None]:
         if exc.kind is ErrorKind.INVALID_ARGUMENT:
             field = ".".join(p for p in (field_prefix, exc.field) if p) or "request"
             raise errors.InvalidArgument(field, str(exc)) from exc
-        raise _ERROR_BY_KIND[exc.kind](str(exc)) from exc
+        # A held item its prefix cache no longer covers: the router encodes it and retries.
+        reason = Reason.EMBEDDING_NEEDED if isinstance(exc, PrefixMissError) else None
+        raise _ERROR_BY_KIND[exc.kind](str(exc), reason=reason) from exc
 
 
 def media_input(item: media_pb2.MediaItem, item_index: int, data: bytes) -> eng.MediaInput:

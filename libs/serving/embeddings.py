@@ -8,6 +8,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from libs.contract.epd.v1 import chat_pb2
 from libs.contract.errors import DeadlineExceeded
 from libs.contract.reasons import Reason
@@ -49,9 +51,11 @@ async def fetch_encoded(
     deadline: float | None,
 ) -> FetchedItems:
     """Fetch the embeddings of every `encoded` part, checked against what this model consumes."""
-    parts = convert.media_parts(messages)
+    every = convert.media_parts(messages)
+    held = {index: _held_item(part, specs) for index, part in enumerate(every) if part.encoded.prefix_held}
+    parts = [part for part in every if not part.encoded.prefix_held]
     if not parts:
-        return FetchedItems([])
+        return FetchedItems(list(held.values()))
     assert transport.consumer is not None
     layouts = [convert.item_layout_to_engine(p.encoded.layout) for p in parts]
     expected = [_expectation(specs[layout.modality], layout.rows) for layout in layouts]
@@ -79,5 +83,20 @@ async def fetch_encoded(
             peers=len({h.agent.producer_address for h in handles}),
             direction="encoder->prefill",
         )
-    items = [eng.EncodedItem(layout, dict(r.tensors)) for layout, r in zip(layouts, received, strict=True)]
-    return FetchedItems(items, received)
+    read = iter([eng.EncodedItem(layout, dict(r.tensors)) for layout, r in zip(layouts, received, strict=True)])
+    return FetchedItems([held[index] if index in held else next(read) for index in range(len(every))], received)
+
+
+def _held_item(part: chat_pb2.ContentPart, specs: dict[eng.Modality, eng.EmbeddingSpec]) -> eng.EncodedItem:
+    """An item held in the prefix cache (contract 1.9): zeros of its shape stand in for embeddings
+    the prefill never forwards (`PrefillTask` checks that the cache covers every row)."""
+    layout = convert.item_layout_to_engine(part.encoded.layout)
+    spec = specs[layout.modality]
+    tensors = {
+        name: torch.zeros(layout.rows, width, dtype=getattr(torch, dtype))
+        for name, width, dtype in (
+            ("embeddings", spec.width, spec.dtype),
+            *((extra.name, extra.width, extra.dtype) for extra in spec.extra_tensors),
+        )
+    }
+    return eng.EncodedItem(layout, tensors, held=True)

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from opentelemetry import trace
 
 from libs.contract.epd.v1 import chat_pb2, generation_pb2
+from libs.contract.validation import HELD_ITEMS_CAPABILITY
 from libs.model import types as eng
 from libs.runtime.prefill_runner import PrefillRunner, PrefillTask
 from libs.serving.compute_thread import ComputeThread, DecodeLoop, StepStats
@@ -21,6 +22,11 @@ from libs.telemetry.stages import record_duration, record_prompt, stage, start_p
 
 T = TypeVar("T")
 Streamed = tuple[generation_pb2.TokenChunk, generation_pb2.Usage | None]
+
+
+def held_items_capability(runner: PrefillRunner) -> tuple[str, ...]:
+    """`prefix.held_items` for a prefill whose prefix cache can stand in for embeddings."""
+    return (HELD_ITEMS_CAPABILITY,) if runner.holds_items else ()
 
 
 async def run_prefill(

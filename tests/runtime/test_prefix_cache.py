@@ -7,7 +7,9 @@ within its byte budget."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from libs.model.errors import PrefixMissError
 from libs.model.media import synthetic
 from libs.model.types import (
     ChatMessage,
@@ -124,3 +126,31 @@ def test_the_cache_stays_within_its_budget(
         assert _answer(runner, omni_decode, messages)[0] == tokens
         assert small.bytes <= small.budget_bytes and len(small) <= 2
     assert small.stats.evicted_blocks > 0
+
+
+def _held(item: EncodedItem) -> EncodedItem:
+    """The item as a prefill gets it when sent as held (contract 1.9): its layout, zeros for rows."""
+    return EncodedItem(item.layout, {name: torch.zeros_like(t) for name, t in item.tensors.items()}, held=True)
+
+
+def test_a_held_item_answers_from_the_cache_or_is_refused(
+    omni_runtime: LanguageModelRuntime, omni_decode: DecodeRunner, images: list[EncodedItem]
+) -> None:
+    """A later turn whose image is sent as held (no embeddings) answers exactly as with them when the
+    cache covers the image; when it does not (another tenant, evicted), the prefill refuses with
+    PrefixMissError before forwarding anything, never on zeros."""
+    plain = PrefillRunner(omni_runtime, chunk_tokens=BLOCK)
+    runner = PrefillRunner(omni_runtime, chunk_tokens=BLOCK, prefix_cache=PrefixCache(BUDGET, block_tokens=BLOCK))
+    assert runner.holds_items and not plain.holds_items
+    first = _turns(images[0], [])[0]
+    _, answer, _ = _answer(runner, omni_decode, first, salt="tenant-a")
+    later = _turns(images[0], [answer])[1]
+    held = _turns(_held(images[0]), [answer])[1]
+    expected, _, _ = _answer(plain, omni_decode, later)
+    tokens, _, reused = _answer(runner, omni_decode, held, salt="tenant-a")
+    assert tokens == expected, "a held image answered differently from its embeddings"
+    assert reused >= runner.build(held).items[0].start + images[0].layout.placeholder_token_count
+    with pytest.raises(PrefixMissError, match=r"items\[0\] was sent as held"):
+        runner.start(held, GREEDY, cache_salt="tenant-b")
+    with pytest.raises(PrefixMissError):
+        plain.start(held, GREEDY)

@@ -20,7 +20,7 @@ from libs.runtime.lm_runtime import LanguageModelRuntime
 from libs.runtime.prefill_runner import CHUNK_TOKENS, PrefillRunner
 from libs.serving import convert
 from libs.serving.compute_thread import ComputeThread, DecodeLoop
-from libs.serving.generation import fetch_and_prefill, stream_after_prefill
+from libs.serving.generation import fetch_and_prefill, held_items_capability, stream_after_prefill
 from libs.serving.service_info import model_identity
 from libs.serving.speech import speech_capabilities, transcription_spec
 from libs.serving.transport import Transport, transfer_config
@@ -58,7 +58,7 @@ class ReferencePrefillDecode(PrefillDecodeBackend):
         return self.runtime.expected_specs()
 
     def capabilities(self) -> tuple[str, ...]:
-        return (capability(self.name), *speech_capabilities(self.runtime.adapter))
+        return (capability(self.name), *held_items_capability(self.runner), *speech_capabilities(self.runtime.adapter))
 
     def extend_info(self, info: service_info_pb2.ServiceInfo) -> None:
         if (spec := transcription_spec(self.runtime.adapter)) is not None:

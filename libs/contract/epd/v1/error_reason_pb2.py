@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65pd/v1/error_reason.proto\x12\x06\x65pd.v1*\xe3\x01\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45RROR_REASON_DRAINING\x10\x01\x12\x1f\n\x1b\x45RROR_REASON_SERVER_STOPPED\x10\x02\x12\x1f\n\x1b\x45RROR_REASON_EMBEDDING_GONE\x10\x03\x12\x18\n\x14\x45RROR_REASON_KV_GONE\x10\x04\x12\"\n\x1e\x45RROR_REASON_ENGINE_RESTARTING\x10\x05\x12\x1b\n\x17\x45RROR_REASON_OVERLOADED\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65pd/v1/error_reason.proto\x12\x06\x65pd.v1*\x86\x02\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45RROR_REASON_DRAINING\x10\x01\x12\x1f\n\x1b\x45RROR_REASON_SERVER_STOPPED\x10\x02\x12\x1f\n\x1b\x45RROR_REASON_EMBEDDING_GONE\x10\x03\x12\x18\n\x14\x45RROR_REASON_KV_GONE\x10\x04\x12\"\n\x1e\x45RROR_REASON_ENGINE_RESTARTING\x10\x05\x12\x1b\n\x17\x45RROR_REASON_OVERLOADED\x10\x06\x12!\n\x1d\x45RROR_REASON_EMBEDDING_NEEDED\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,5 +33,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.error_reason_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ERRORREASON']._serialized_start=38
-  _globals['_ERRORREASON']._serialized_end=265
+  _globals['_ERRORREASON']._serialized_end=300
 # @@protoc_insertion_point(module_scope)

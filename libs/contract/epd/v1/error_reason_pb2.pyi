@@ -43,6 +43,11 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The service's engine died and is being restarted (UNAVAILABLE): retry shortly, or elsewhere."""
     ERROR_REASON_OVERLOADED: _ErrorReason.ValueType  # 6
     """A bounded queue or pool of the service is full (RESOURCE_EXHAUSTED): back off or go elsewhere."""
+    ERROR_REASON_EMBEDDING_NEEDED: _ErrorReason.ValueType  # 7
+    """The request names an item as held in the member's prefix cache (`EncodedMedia.prefix_held`),
+    but the cache no longer covers it (FAILED_PRECONDITION; evicted since, or another member):
+    encode the item and retry. Contract 1.9.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Why a call failed, in words a caller acts on (contract 1.5). No message has a field of this
@@ -73,4 +78,9 @@ ERROR_REASON_ENGINE_RESTARTING: ErrorReason.ValueType  # 5
 """The service's engine died and is being restarted (UNAVAILABLE): retry shortly, or elsewhere."""
 ERROR_REASON_OVERLOADED: ErrorReason.ValueType  # 6
 """A bounded queue or pool of the service is full (RESOURCE_EXHAUSTED): back off or go elsewhere."""
+ERROR_REASON_EMBEDDING_NEEDED: ErrorReason.ValueType  # 7
+"""The request names an item as held in the member's prefix cache (`EncodedMedia.prefix_held`),
+but the cache no longer covers it (FAILED_PRECONDITION; evicted since, or another member):
+encode the item and retry. Contract 1.9.
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -218,6 +218,16 @@ class EncodedMedia(_message.Message):
 
     LAYOUT_FIELD_NUMBER: _builtins.int
     EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    PREFIX_HELD_FIELD_NUMBER: _builtins.int
+    prefix_held: _builtins.bool
+    """Set, with no `embeddings`, when the router expects the member to hold the item already: an
+    earlier turn of the conversation, in the same tenant (`cache_salt`), left the KV of every
+    placeholder row of the item in the member's prefix cache, so the member reads nothing for it
+    and no encoder ran. A member whose cache no longer covers those rows fails the call
+    FAILED_PRECONDITION with reason EMBEDDING_NEEDED before it streams anything; the router then
+    encodes the item and retries. Sent only to members advertising capability
+    `prefix.held_items`. Since contract 1.9.
+    """
     @_builtins.property
     def layout(self) -> Global___ItemLayout:
         """Layout metadata. Required."""
@@ -226,7 +236,7 @@ class EncodedMedia(_message.Message):
     def embeddings(self) -> _tensor_pb2.TensorHandle:
         """The embedding tensors ("embeddings" with shape [placeholder_token_count, width] (or
         [cross_attention_rows, width] for encoder-decoder models), plus any
-        extra tensors the embedding spec advertises). Required.
+        extra tensors the embedding spec advertises). Required unless `prefix_held`.
         """
 
     def __init__(
@@ -234,10 +244,11 @@ class EncodedMedia(_message.Message):
         *,
         layout: Global___ItemLayout | None = ...,
         embeddings: _tensor_pb2.TensorHandle | None = ...,
+        prefix_held: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "layout", b"layout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "layout", b"layout", "prefix_held", b"prefix_held"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

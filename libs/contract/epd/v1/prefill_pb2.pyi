@@ -292,6 +292,7 @@ class DecodeState(_message.Message):
     ENGINE_PROMPT_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     next_input_token_id: _builtins.int
     """Token id to feed at the next step (the last generated token)."""
     rope_delta: _builtins.int
@@ -307,6 +308,11 @@ class DecodeState(_message.Message):
     cached_prompt_tokens: _builtins.int
     """Prompt tokens whose KV the prefill took from a cached prefix, in tokens (decode reports them
     in `Usage.cached_prompt_tokens`). Since contract 1.8; 0 otherwise.
+    """
+    cache_salt: _builtins.str
+    """The request's tenant for cached prefixes (`PrefillRequest.cache_salt`), so a decode engine
+    with a prefix cache of its own scopes its blocks as prefill did. Since contract 1.9; empty:
+    the unscoped tenant.
     """
     @_builtins.property
     def engine_prompt(self) -> Global___EnginePrompt:
@@ -333,10 +339,11 @@ class DecodeState(_message.Message):
         engine_prompt: Global___EnginePrompt | None = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         cached_prompt_tokens: _builtins.int = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine_prompt", b"engine_prompt"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "engine_prompt", b"engine_prompt", "generated_text", b"generated_text", "generated_tokens", b"generated_tokens", "next_input_token_id", b"next_input_token_id", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "rope_delta", b"rope_delta"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "cached_prompt_tokens", b"cached_prompt_tokens", "engine_prompt", b"engine_prompt", "generated_text", b"generated_text", "generated_tokens", b"generated_tokens", "next_input_token_id", b"next_input_token_id", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "rope_delta", b"rope_delta"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
