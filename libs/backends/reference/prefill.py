@@ -80,6 +80,7 @@ class ReferencePrefill(PrefillBackend):
             first_chunk=convert.chunk_to_wire(result.first_chunk),
             decode_state=convert.decode_state_to_wire(result.decode_state),
         )
+        response.decode_state.cache_salt = request.cache_salt  # contract 1.9: the tenant, for decode
         if result.kv_cache is not None:
             producer = self.transport.producer
             assert producer is not None, "the transport is bound once the server listens"

@@ -197,7 +197,9 @@ class VllmDecode(DecodeBackend):
                 f"prompt + max_tokens ({budget}) exceeds the model length {self.planner.max_model_len}",
             )
         layouts = [convert.item_layout_to_engine(layout) for layout in state.engine_prompt.items]
-        return self.planner.plan_decode(state.engine_prompt.token_ids, layouts, "decode_state.engine_prompt")
+        return self.planner.plan_decode(
+            state.engine_prompt.token_ids, layouts, "decode_state.engine_prompt", state.cache_salt
+        )
 
     async def decode(
         self, request: decode_pb2.DecodeRequest, deadline: float | None

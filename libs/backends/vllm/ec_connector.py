@@ -17,6 +17,10 @@ Who does what:
   pool), hands the ones allocated in a step to the worker (each from the slot of the request it
   is allocated for, which lives until that request finishes), fails a request the worker reports.
   An item vLLM already holds (its encoder cache, or a prefix-cache hit past it) is never asked for.
+  An item the router sent as held (contract 1.9, `prefix_held`: no slot, the service read nothing)
+  must lie inside the request's prefix-cache hit: when vLLM's lookup falls short of it, the
+  request is never scheduled (its zeros must not reach the model, nor blocks built on them the
+  prefix cache) and fails with reason EMBEDDING_NEEDED, so the router encodes it and retries.
 - **Worker** (worker role, this class): copies each item from the mapped pool into vLLM's encoder
   cache, on the engine's device, in the engine's dtype (Qwen3-VL: deepstack features next to the
   embeddings). A copy that fails (the pool cannot be mapped, a wrong descriptor) must not reach
@@ -95,9 +99,29 @@ class EpdECConnector(ECConnectorBase):
     # ---- scheduler side (EngineCore) -------------------------------------------------------------
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        for uuid, descriptor in _items(request).items():
+        # Called once the prefix-cache lookup set `num_computed_tokens`, before anything of the
+        # request is scheduled, and again every step it waits or runs.
+        items = _items(request)
+        for uuid, descriptor in items.items():
             self._known.setdefault(uuid, {})[request.request_id] = descriptor
-        return True  # the service read them into its pool before it submitted the request
+        for index, feature in enumerate(request.mm_features):
+            position = feature.mm_position
+            if feature.identifier not in items and position.offset + position.length > num_computed_tokens:
+                self._held_miss(request, index, num_computed_tokens)
+                return False
+        return True  # the service read the others into its pool before it submitted the request
+
+    def _held_miss(self, request: Request, index: int, hit_tokens: int) -> None:
+        """A held item past the prefix-cache hit: fail the request at the step's end, unscheduled."""
+        self._unavailable.add(request.request_id)
+        if str(self._failure_dir):
+            report = {
+                "code": "FAILED_PRECONDITION",
+                "reason": "EMBEDDING_NEEDED",
+                "message": f"items[{index}] was sent as held in the prefix cache, which covers {hit_tokens} of the "
+                f"prompt's {request.num_prompt_tokens} tokens: send its embeddings",
+            }
+            _report(failure_path(self._failure_dir, _service_request_id(request)), report)
 
     def has_cache_item(self, identifier: str) -> bool:
         return identifier in self._known
@@ -153,10 +177,8 @@ class EpdECConnector(ECConnectorBase):
         cache[uuid] = torch.zeros(slot.rows, slot.width, dtype=self._dtype, device=self._device)
         self._failed.add(slot.request_id)
         if str(self._failure_dir):
-            target = failure_path(self._failure_dir, slot.request_id)
-            tmp = target.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"code": "INTERNAL", "message": f"embedding copy into vLLM failed: {msg}"}))
-            os.replace(tmp, target)
+            report = {"code": "INTERNAL", "message": f"embedding copy into vLLM failed: {msg}"}
+            _report(failure_path(self._failure_dir, slot.request_id), report)
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
         if not self._failed:
@@ -174,3 +196,15 @@ class EpdECConnector(ECConnectorBase):
 def _items(request: Request) -> dict[str, dict[str, Any]]:
     """The request's {uuid -> slot descriptor}, as the service submitted them."""
     return dict((request.ec_transfer_params or {}).get("epd_items") or {})
+
+
+def _service_request_id(request: Request) -> str:
+    """The service's id of the request (vLLM's own may carry a suffix)."""
+    return str((request.ec_transfer_params or {}).get("epd_request_id") or request.request_id)
+
+
+def _report(target: Path, report: dict[str, str]) -> None:
+    """The typed failure the service raises for the request (`streams.raise_load_failure`)."""
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report))
+    os.replace(tmp, target)

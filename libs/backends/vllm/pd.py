@@ -75,7 +75,11 @@ class VllmPrefillDecode(PrefillDecodeBackend):
         return self.planner.expected_specs()
 
     def capabilities(self) -> tuple[str, ...]:
-        return (capability(self.name), *speech_capabilities(self.planner.adapter))
+        return (
+            capability(self.name),
+            *runtime.held_items(self.planner.adapter),
+            *speech_capabilities(self.planner.adapter),
+        )
 
     def extend_info(self, info: service_info_pb2.ServiceInfo) -> None:
         if (spec := transcription_spec(self.planner.adapter)) is not None:
@@ -133,7 +137,9 @@ class VllmPrefillDecode(PrefillDecodeBackend):
                 items, slots = None, {}
             default_max_tokens = planned.max_tokens or self._default_max_tokens
             extra = {WHISPER_TIMESTAMPS_ARG: sampling.timestamps} if planned.speech else None
-            params = runtime.sampling_params(sampling, default_max_tokens, slots, extra_args=extra)
+            params = runtime.sampling_params(
+                sampling, default_max_tokens, slots, extra_args=extra, request_id="" if planned.speech else request_id
+            )
             held_from = time.time_ns()
             ticket = await self.batching.enter(deadline)
             if ticket.held:

@@ -130,7 +130,7 @@ class VllmPrefill(PrefillBackend):
         return self.planner.expected_specs()
 
     def capabilities(self) -> tuple[str, ...]:
-        return (PAGED_KV, capability(self.name))
+        return (PAGED_KV, capability(self.name), *runtime.held_items(self.planner.adapter))
 
     def serving_at(self, address: str) -> None:
         self.address = address
@@ -173,6 +173,7 @@ class VllmPrefill(PrefillBackend):
                 seed=runtime.split_seed(sampling, request.request_id),
                 max_tokens=1,
                 kv_transfer_params={"do_remote_decode": True},
+                request_id=request.request_id,
             )
             engine = self.supervisor.engine()
             stream = engine.llm.generate(
@@ -226,6 +227,7 @@ class VllmPrefill(PrefillBackend):
             generated_text=chunk.text,
             prompt_tokens=prompt_tokens,
             cached_prompt_tokens=out.num_cached_tokens or 0,
+            cache_salt=request.cache_salt,  # the decode's own prefix cache keeps the tenant's scope
         )
         response = prefill_pb2.PrefillResponse(first_chunk=chunk, decode_state=state)
         wanted = sampling.max_tokens or DEFAULT_MAX_TOKENS

@@ -154,11 +154,12 @@ class RequestPlanner:
         uuids: dict[str, list[str]] = {}
         data: dict[str, dict[str, list[Any]]] = {}
         for index, (part, layout) in enumerate(zip(parts, layouts, strict=True)):
-            handle = part.encoded.embeddings
-            field = f"items[{index}].embeddings"
-            spec = specs[layout.modality]
             _check_count(layout, self.merge, f"items[{index}].layout")
-            _check_handle(handle, spec, layout.placeholder_token_count, field)
+            if not part.encoded.prefix_held:  # (held: nothing to read; the EC connector checks the hit)
+                spec = specs[layout.modality]
+                _check_handle(
+                    part.encoded.embeddings, spec, layout.placeholder_token_count, f"items[{index}].embeddings"
+                )
             uuid = content.scoped(layout.mm_hash, cache_salt)
             kind = layout.modality.value
             uuids.setdefault(kind, []).append(uuid)
@@ -200,10 +201,13 @@ class RequestPlanner:
         uuid = f"{item.layout.mm_hash}-{part.encoded.embeddings.lease_id}"
         return PlannedRequest({"prompt_token_ids": ids}, [uuid], len(ids), speech=True, max_tokens=room)
 
-    def plan_decode(self, token_ids: Sequence[int], layouts: Sequence[eng.ItemLayout], field: str) -> dict[str, Any]:
+    def plan_decode(
+        self, token_ids: Sequence[int], layouts: Sequence[eng.ItemLayout], field: str, cache_salt: str = ""
+    ) -> dict[str, Any]:
         """The prompt a decode engine rebuilds the sequence from, as prefill's engine took it: token
         ids with one placeholder per item and the items' layout metadata, no embeddings (its KV
-        arrives from prefill). Checked first: an inconsistent item would kill the engine."""
+        arrives from prefill), in the request's tenant (`cache_salt`, contract 1.9) as prefill had it.
+        Checked first: an inconsistent item would kill the engine."""
         to_id = self.tokenizer.convert_tokens_to_ids
         placeholders = {to_id(self.adapter.placeholder_token(m)): m for m in self.adapter.modalities}
         in_prompt = [placeholders[t].value for t in token_ids if t in placeholders]
@@ -217,9 +221,12 @@ class RequestPlanner:
                 raise InvalidArgument(f"{field}.items[{index}].modality", f"no {layout.modality.value} input")
             _check_count(layout, self.merge, f"{field}.items[{index}]")
             _add_metadata(data.setdefault(layout.modality.value, {}), layout, self.family)
-            # Content hashes: equal items may share decode's prefix cache, as their KV is equal.
-            uuids.setdefault(layout.modality.value, []).append(layout.mm_hash)
+            # Content hashes in the tenant: equal items may share decode's prefix cache, as their KV
+            # is equal, within one tenant only.
+            uuids.setdefault(layout.modality.value, []).append(content.scoped(layout.mm_hash, cache_salt))
         prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
+        if cache_salt:
+            prompt["cache_salt"] = cache_salt
         if layouts:
             prompt["multi_modal_data"] = {kind: _tensors(fields) for kind, fields in data.items()}
             prompt["multi_modal_uuids"] = uuids

@@ -36,6 +36,7 @@ from libs.backends.vllm.shared_pool import SlotDescriptor
 from libs.contract.epd.v1 import generation_pb2
 from libs.contract.errors import EpdError, InvalidArgument, Unavailable
 from libs.contract.reasons import Reason
+from libs.contract.validation import HELD_ITEMS_CAPABILITY
 from libs.model import types as eng
 from libs.model.checkpoint import Checkpoint
 from libs.serving.convert import chunk_to_wire
@@ -322,6 +323,13 @@ def split_seed(params: eng.SamplingParams, request_id: str) -> int | None:
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:4], "big") & 0x7FFFFFFF
 
 
+def held_items(adapter: Any) -> tuple[str, ...]:
+    """`prefix.held_items` (contract 1.9) for a language-model engine with vLLM's prefix cache: the EC
+    connector refuses a held item its hit does not cover (ec_connector.py). Encoder-decoder models
+    keep no prefix."""
+    return () if adapter.is_encoder_decoder else (HELD_ITEMS_CAPABILITY,)
+
+
 def salted(prompt: dict[str, Any], cache_salt: str) -> dict[str, Any]:
     """The prompt scoped to the request's tenant in vLLM's prefix cache (its `cache_salt`: mixed
     into the first block's hash, so no block is shared across salts)."""
@@ -337,6 +345,7 @@ def sampling_params(
     max_tokens: int | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
     extra_args: dict[str, Any] | None = None,
+    request_id: str = "",
 ) -> Any:
     """The project's sampling as vLLM's, streaming deltas; the EC items, the KV handoff and
     `extra_args` ride in `extra_args`. `seed` and `max_tokens` override the request's (P/D split)."""
@@ -344,8 +353,11 @@ def sampling_params(
     from vllm.sampling_params import RequestOutputKind
 
     extra: dict[str, Any] = dict(extra_args or {})
-    if items:
-        extra["ec_transfer_params"] = {"epd_items": {uuid: item.to_dict() for uuid, item in items.items()}}
+    if items or request_id:
+        extra["ec_transfer_params"] = {
+            "epd_items": {uuid: item.to_dict() for uuid, item in items.items()},
+            "epd_request_id": request_id,  # where the EC connector reports a held item's miss
+        }
     if kv_transfer_params is not None:
         extra["kv_transfer_params"] = kv_transfer_params
     cap = max_tokens or params.max_tokens or default_max_tokens

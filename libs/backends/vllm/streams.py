@@ -16,6 +16,7 @@ from libs.backends.vllm.shared_pool import SlotDescriptor, slot_of
 from libs.contract.epd.v1 import chat_pb2
 from libs.contract.errors import error_for
 from libs.contract.reasons import Reason, reason_if_gone
+from libs.serving import convert
 from libs.serving.embeddings import FetchedItems, fetch_encoded
 from libs.serving.service_info import model_identity
 from libs.serving.transport import Transport, transfer_config
@@ -49,11 +50,16 @@ async def read_items(
     The caller releases the items once vLLM is done with the request."""
     specs = {spec.modality: spec for spec in planner.expected_specs()}
     fetched = await fetch_encoded(reads, messages, specs, deadline)
+    read = [
+        (index, uuid)
+        for index, (uuid, part) in enumerate(zip(uuids, convert.media_parts(messages), strict=True))
+        if not part.encoded.prefix_held  # held: read nothing, vLLM's prefix cache has it
+    ]
     try:
         pool = reads.agent.pool
         slots = {
             uuid: slot_of(received, pool, key=uuid, request_id=request_id, item=index)
-            for index, (uuid, received) in enumerate(zip(uuids, fetched.received, strict=True))
+            for (index, uuid), received in zip(read, fetched.received, strict=True)
         }
     except BaseException:
         fetched.release()
@@ -70,5 +76,7 @@ def raise_load_failure(path: Path) -> None:
     import grpc
 
     code = getattr(grpc.StatusCode, str(report.get("code", "UNAVAILABLE")), grpc.StatusCode.UNAVAILABLE)
+    if report.get("reason") == Reason.EMBEDDING_NEEDED:  # a held item past the prefix-cache hit
+        raise error_for(code, str(report.get("message", "")), "items", reason=Reason.EMBEDDING_NEEDED)
     message = f"embeddings did not reach vLLM's encoder cache: {report.get('message', '')}"
     raise error_for(code, message, "items", reason=reason_if_gone(code, Reason.EMBEDDING_GONE))
