@@ -16,6 +16,7 @@ import grpc
 from libs.client.generate import GenerationResult, build_request, generate, open_channel
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
 from libs.launch.process import LaunchError
+from libs.launch.runs import shown
 from libs.launch.stack import Stack, StackSpec
 from libs.model.media import synthetic
 
@@ -84,7 +85,7 @@ def run_demo(spec: StackSpec, trace_file: Path | None = None) -> int:
             failures += _curl_the_door(stack.door_url, spec.model.name)
     finally:
         statuses = stack.down()  # services flush their spans on the way out
-        print(f"\nstopped: {statuses}; logs in {spec.run_dir}", flush=True)
+        print(f"\nstopped: {statuses}; logs in {spec.log_dir or spec.run_dir}", flush=True)
     if trace_file is not None and trace_file.exists():
         report_traces(trace_file)
     return 1 if failures else 0
@@ -122,7 +123,7 @@ def report_traces(trace_file: Path) -> None:
 
     spans = load_jsonl(trace_file)
     items = breakdowns(spans)
-    print(f"\ntraces: {trace_file} ({len(spans)} spans); `epd trace report` prints this again\n")
+    print(f"\ntraces: {shown(trace_file)} ({len(spans)} spans); `epd trace report` prints this again\n")
     print(render_text(items), end="")
     if items:
         slowest = max(items, key=lambda b: b.ttft_s)
@@ -130,5 +131,6 @@ def report_traces(trace_file: Path) -> None:
             out = trace_file.with_name("waterfall" + suffix)
             render(by_trace(spans)[slowest.trace_id], out)
         print(
-            f"waterfall of the slowest request ({slowest.request_id}): {trace_file.with_name('waterfall.html')} (.png)"
+            f"waterfall of the slowest request ({slowest.request_id}): {shown(trace_file.with_name('waterfall.html'))} "
+            "(.png)"
         )

@@ -4,6 +4,7 @@ epd up --layout e/p/d --encoders 2           # start a stack on loopback; Ctrl-C
 epd up --config deploy/stacks/e-p-d.yaml     # ... as a stack description says
 epd generate --image cat.png "What is this?"  # stream a reply from a running router
 epd transcribe speech.wav                     # a transcript from a running Whisper stack
+epd trace report                              # the latest run's time to first token by stage
 epd demo                                      # what `make run` does
 epd speech-demo                               # ... and then this (Whisper E/P/D)
 """
@@ -11,10 +12,8 @@ epd speech-demo                               # ... and then this (Whisper E/P/D
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import sys
-import threading
 from pathlib import Path
 
 import grpc
@@ -31,7 +30,7 @@ from libs.cli.router_client import (
 )
 from libs.client.generate import build_request, media_from_file
 from libs.contract.epd.v1 import media_pb2, sampling_pb2
-from libs.launch import rundir
+from libs.launch import rundir, runs
 from libs.launch.config import DescriptionError, load_description, stack_spec
 from libs.launch.placement import Placement
 from libs.launch.stack import (
@@ -88,13 +87,19 @@ def _stack_args(parser: argparse.ArgumentParser) -> None:
         "--run-dir",
         type=Path,
         default=DEFAULT_RUN_DIR,
-        help="the stack's directory: service logs, the router address its clients read, TLS material; one stack "
-        "at a time in each",
+        help="the stack's directory: the router address its clients read, TLS material, and a directory per run "
+        "(runs/ID, the latest linked as latest) with that run's logs and spans; one stack at a time in each",
     )
     parser.add_argument(
         "--trace-exporter", choices=("none", "jsonl", "otlp"), default="jsonl", help="where services send spans"
     )
-    parser.add_argument("--trace-file", type=Path, default=Path("var/traces/spans.jsonl"), help="span file, for jsonl")
+    parser.add_argument(
+        "--trace-file",
+        type=Path,
+        default=None,
+        help="span file, for jsonl (default: spans.jsonl in the run's directory, RUN_DIR/runs/ID/; `epd up` "
+        "appends to a file given here, run after run, and the trace report tells the runs apart by time)",
+    )
     parser.add_argument("--otlp-endpoint", default="127.0.0.1:4317", help="collector address, for otlp")
     parser.add_argument(
         "--cache-store",
@@ -176,10 +181,19 @@ def _door_placement(ns: argparse.Namespace, layout: str) -> str:
     return str(ns.door_placement or default_door_placement(layout))
 
 
+def start_run(ns: argparse.Namespace, spec: StackSpec) -> tuple[StackSpec, runs.Run]:
+    """A new run of the stack in RUN_DIR (which the caller holds): the stack's logs go to the run's
+    directory, its spans to the run's span file (or --trace-file)."""
+    run = runs.start(ns.run_dir, ns.trace_file, spans=ns.trace_exporter == "jsonl")
+    env = dict(spec.env)
+    if run.trace_file is not None:
+        env["EPD_TRACE_FILE"] = str(run.trace_file)
+    return dataclasses.replace(spec, env=env, log_dir=run.dir), run
+
+
 def _spec(ns: argparse.Namespace) -> StackSpec:
     env = {
         "EPD_TRACE_EXPORTER": ns.trace_exporter,
-        "EPD_TRACE_FILE": str(ns.trace_file.resolve()),
         "EPD_OTLP_ENDPOINT": ns.otlp_endpoint,
         "EPD_WARM_UP": "true",  # the router's first contact with every backend before traffic
     }
@@ -233,11 +247,12 @@ def cmd_up(ns: argparse.Namespace) -> int:
     if lock.note:
         print(f"epd up: {lock.note}", file=sys.stderr)
     try:
-        stack = Stack(dataclasses.replace(_spec(ns), fixed_ports=ns.supervise))
+        spec, run = start_run(ns, _spec(ns))
+        stack = Stack(dataclasses.replace(spec, fixed_ports=ns.supervise))
     except BaseException:
         lock.release()
         raise
-    return run_up(stack, lock, ns.supervise)
+    return run_up(stack, lock, ns.supervise, run)
 
 
 def _sampling(ns: argparse.Namespace) -> sampling_pb2.SamplingParams:
@@ -285,47 +300,10 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         print(f"epd demo: {exc}", file=sys.stderr)
         return 1
     try:
-        return run_demo(_spec(ns), trace_file=ns.trace_file if ns.trace_exporter == "jsonl" else None)
+        spec, run = start_run(ns, _spec(ns))
+        return run_demo(spec, trace_file=run.trace_file)
     finally:
         lock.release()
-
-
-def cmd_trace_report(ns: argparse.Namespace) -> int:
-    from libs.telemetry.report import breakdowns, render_text
-    from libs.telemetry.spans import OtlpReceiver, SpanRecord, by_trace, load_jsonl
-    from libs.telemetry.waterfall import render
-
-    spans: list[SpanRecord]
-    if ns.otlp_listen:
-        receiver = OtlpReceiver(ns.otlp_listen).start()
-        print(f"OTLP/gRPC receiver on {receiver.address}; collecting for {ns.duration:.0f} s (Ctrl-C ends early)")
-        with contextlib.suppress(KeyboardInterrupt):
-            threading.Event().wait(ns.duration)
-        receiver.stop()
-        spans = receiver.snapshot()
-    else:
-        if not ns.file.exists():
-            print(f"epd trace report: no span file at {ns.file}", file=sys.stderr)
-            return 2
-        spans = load_jsonl(ns.file)
-    items = breakdowns(spans)
-    print(render_text(items), end="")
-    if ns.waterfall:
-        traces = by_trace(spans)
-        if ns.waterfall in ("first", "slowest"):
-            if not items:
-                print("epd trace report: no request trace to draw", file=sys.stderr)
-                return 1
-            chosen = items[0] if ns.waterfall == "first" else max(items, key=lambda b: b.ttft_s)
-            trace_id = chosen.trace_id
-        else:
-            trace_id = ns.waterfall
-        if trace_id not in traces:
-            print(f"epd trace report: no trace {trace_id}", file=sys.stderr)
-            return 1
-        render(traces[trace_id], ns.out)
-        print(f"waterfall of trace {trace_id}: {ns.out}")
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -368,13 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     trace = sub.add_parser("trace", help="trace tools").add_subparsers(dest="trace_command", required=True)
-    report = trace.add_parser("report", help="split time to first token by stage, per request and p50/p90/p99")
-    report.add_argument("--file", type=Path, default=Path("var/traces/spans.jsonl"), help="JSONL span file")
-    report.add_argument("--otlp-listen", default="", help="instead: run an OTLP/gRPC receiver on HOST:PORT")
-    report.add_argument("--duration", type=float, default=60.0, help="seconds the receiver collects")
-    report.add_argument("--waterfall", default="", help="draw one trace: a trace id, 'first' or 'slowest'")
-    report.add_argument("--out", type=Path, default=Path("var/traces/waterfall.html"), help=".html or .png")
-    report.set_defaults(func=cmd_trace_report)
+    from libs.cli import trace as trace_command  # epd trace report
+
+    trace_command.add_parser(trace)
 
     demo = sub.add_parser("demo", help="start a stack, send sample requests, print outputs and timings, stop")
     _stack_args(demo)

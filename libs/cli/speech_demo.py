@@ -16,7 +16,7 @@ import grpc
 
 from libs.client.generate import GenerationResult, generate, open_channel
 from libs.client.transcribe import audio_item, transcription_request
-from libs.launch import rundir
+from libs.launch import rundir, runs
 from libs.launch.process import LaunchError
 from libs.launch.stack import Stack, StackSpec
 
@@ -48,13 +48,20 @@ async def _transcribe_all(address: str, clips: dict[str, bytes]) -> list[tuple[s
     return out
 
 
-def run_speech_demo(model: Path, run_dir: Path, trace_file: Path, engine: str = "reference") -> int:
+def run_speech_demo(
+    model: Path, run_dir: Path, trace_file: Path | None = None, engine: str = "reference", log_dir: Path | None = None
+) -> int:
+    """The demo; spans to `trace_file` (fresh: removed first), else the run's own file (`log_dir`,
+    libs/launch/runs.py), logs in `log_dir` (else `run_dir`)."""
     from libs.cli.demo import report_traces
     from libs.speech.synth import speak
 
     if not (model / "model.safetensors").is_file():
         print(f"epd speech-demo: no Whisper checkpoint at {model} (make models converts it)", file=sys.stderr)
         return 2
+    logs = log_dir or run_dir
+    if trace_file is None:
+        trace_file = logs / runs.SPANS
     trace_file.unlink(missing_ok=True)
     clips = {name: speak(text, words_per_minute=wpm) for name, (text, wpm) in SAMPLES.items()}
     env = {"EPD_TRACE_EXPORTER": "jsonl", "EPD_TRACE_FILE": str(trace_file.resolve())}
@@ -64,6 +71,7 @@ def run_speech_demo(model: Path, run_dir: Path, trace_file: Path, engine: str = 
         encoders=1,
         model=model,
         run_dir=run_dir,
+        log_dir=logs,
         env=env,
         engine=engine,
         ready_timeout_s=420.0 if engine == "vllm" else 120.0,
@@ -94,7 +102,7 @@ def run_speech_demo(model: Path, run_dir: Path, trace_file: Path, engine: str = 
             print(f"{'':<10} read aloud ({name}): {text!r}")
     finally:
         statuses = stack.down()
-        print(f"\nstopped: {statuses}; logs in {run_dir}", flush=True)
+        print(f"\nstopped: {statuses}; logs in {logs}", flush=True)
     if trace_file.exists():
         report_traces(trace_file)
     return 1 if failures else 0
@@ -107,7 +115,8 @@ def cmd_speech_demo(ns: argparse.Namespace) -> int:
         print(f"epd speech-demo: {exc}", file=sys.stderr)
         return 1
     try:
-        return run_speech_demo(ns.model, ns.run_dir, ns.trace_file, ns.engine)
+        run = runs.start(ns.run_dir, ns.trace_file, spans=True)
+        return run_speech_demo(ns.model, ns.run_dir, run.trace_file, ns.engine, log_dir=run.dir)
     finally:
         lock.release()
 
@@ -121,6 +130,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default="reference",
         help="the decoder's engine: reference (E/P/D) or vllm (E+PD, a vLLM PD service)",
     )
-    p.add_argument("--run-dir", type=Path, default=Path("var/run/speech"), help="service logs go here")
-    p.add_argument("--trace-file", type=Path, default=Path("var/traces/speech-spans.jsonl"), help="JSONL spans")
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path("var/run/speech"),
+        help="the stack's directory; its logs and spans go to a directory per run in it (runs/ID)",
+    )
+    p.add_argument(
+        "--trace-file", type=Path, default=None, help="JSONL spans (default: spans.jsonl in the run's directory)"
+    )
     p.set_defaults(func=cmd_speech_demo)

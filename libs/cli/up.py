@@ -18,9 +18,10 @@ import threading
 import urllib.request
 
 from libs.backends.engines import model_type
-from libs.cli.router_client import ADDRESS_FILE
+from libs.cli.router_client import ADDRESS_FILE, DEFAULT_RUN_DIR
 from libs.launch.process import LaunchError
 from libs.launch.rundir import RunDirLock
+from libs.launch.runs import Run, shown
 from libs.launch.stack import CLIENT_TOKEN, Stack
 from libs.launch.supervisor import Supervisor
 
@@ -64,16 +65,30 @@ def door_lines(stack: Stack) -> list[str]:
     ]
 
 
-def run_up(stack: Stack, lock: RunDirLock, supervise: bool) -> int:
+def run_up(stack: Stack, lock: RunDirLock, supervise: bool, run: Run) -> int:
     """Start `stack`, serve until Ctrl-C / SIGTERM (or a service dies unsupervised), stop it; the
-    run directory is free again however this ends."""
+    run directory is free again however this ends. `run`: where this run's logs and spans go."""
     try:
-        return _serve(stack, lock, supervise)
+        return _serve(stack, lock, supervise, run)
     finally:
         lock.release()
 
 
-def _serve(stack: Stack, lock: RunDirLock, supervise: bool) -> int:
+def where_it_writes(stack: Stack, run: Run) -> list[str]:
+    """Where this run's logs and spans are, and how to read them."""
+    lines = [
+        f"logs of this run: {shown(run.dir)}/<service>.log (JSON lines), <service>.native.log (each process's "
+        "stdout and stderr: native libraries' output)"
+    ]
+    if run.trace_file is not None:
+        report = "epd trace report" + (
+            "" if stack.spec.run_dir == DEFAULT_RUN_DIR else f" --run-dir {stack.spec.run_dir}"
+        )
+        lines.append(f"spans of this run: {shown(run.trace_file)} (`{report}`)")
+    return lines
+
+
+def _serve(stack: Stack, lock: RunDirLock, supervise: bool, run: Run) -> int:
     try:
         address = stack.up()
     except LaunchError as exc:
@@ -89,7 +104,8 @@ def _serve(stack: Stack, lock: RunDirLock, supervise: bool) -> int:
     run_dir = stack.spec.run_dir
     lock.write(run_dir / ADDRESS_FILE, address)
     pids = ", ".join(f"{name} {p.pid}" for name, p in stack.processes.items())
-    print(f"router listening on {address}  ({stack.spec.layout}; {pids}; logs in {run_dir})", flush=True)
+    print(f"router listening on {address}  ({stack.spec.layout}; {pids}; logs in {shown(run.dir)})", flush=True)
+    print("\n".join(where_it_writes(stack, run)), flush=True)
     if stack.door_url:
         print("\n".join(door_lines(stack)), flush=True)
     if stack.spec.tls:

@@ -1,7 +1,13 @@
 """One service process: spawn `python -m services.<name>`, wait until it listens, stop it by PID.
 
 The service prints `<name> listening on HOST:PORT` to stdout once its server is up (it binds port 0
-by default, so there is no port race); stdout and stderr go to a log file the launcher polls.
+by default, so there is no port race). Two files per service: `<name>.log`, its JSON log lines
+only (the launcher names it in `EPD_LOG_FILE`, libs/telemetry/logging.py), and
+`<name>.native.log`, the process's stdout and stderr: the listening line the launcher polls for,
+and what does not come through the service's logger (native libraries' own output such as
+Mooncake's glog or UCX, vLLM's log lines, a crash's traceback). So every line of `<name>.log`
+parses as JSON, and the native output is kept rather than dropped. A service of an older checkout
+(no EPD_LOG_FILE) logs to stderr: its JSON lines land in the native file, and are found there.
 Stopping sends SIGTERM (the service drains within its grace period), then SIGKILL after a timeout.
 Each service leads a process group of its own; once it has exited, whatever is left of that group
 is killed too: processes the service started and did not stop (a vLLM engine core outlives a
@@ -21,10 +27,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from libs.telemetry.logging import LOG_FILE_ENV
+
 # "<service> listening on HOST:PORT" alone on a line (libs/rpc/main.py); anchored, because libraries
 # the service loads (Mooncake) log "listening on" lines of their own.
 _LISTENING = re.compile(r"^[a-z_]+ listening on (\S+:\d+)$", re.MULTILINE)
 ROOT = Path(__file__).resolve().parents[2]
+NATIVE_SUFFIX = ".native.log"
+
+
+def native_log_path(log_path: Path) -> Path:
+    """Where the process's stdout and stderr go beside its JSON log: router.log -> router.native.log."""
+    return log_path.with_name(log_path.name.removesuffix(".log") + NATIVE_SUFFIX)
 
 
 def free_port() -> int:
@@ -95,18 +109,27 @@ class ServiceProcess:
     ready_at: float = field(default=0.0, init=False)  # ... and of its "listening" line (0: not yet)
     _log_offset: int = field(default=0, init=False, repr=False)  # where this incarnation's output begins
 
+    @property
+    def native_log_path(self) -> Path:
+        """The process's stdout and stderr (its listening line, native libraries' output)."""
+        return native_log_path(self.log_path)
+
     def start(self) -> None:
-        """Start (or restart: the log is appended to, the same arguments and port are used)."""
+        """Start (or restart: the logs are appended to, the same arguments and port are used)."""
         self._end_group()  # a previous incarnation's leftovers
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_offset = self.log_path.stat().st_size if self.starts and self.log_path.exists() else 0
+        native = self.native_log_path
+        self._log_offset = native.stat().st_size if self.starts and native.exists() else 0
+        if not self.starts:
+            self.log_path.write_bytes(b"")  # a fresh log per launch; the service appends to it
         # The service stops itself if this process dies without stopping it (libs/rpc/main.py).
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "EPD_PARENT_PID": str(os.getpid()), **self.env}
+        env[LOG_FILE_ENV] = str(self.log_path.resolve())  # the service runs in `root`, not here
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.root), env.get("PYTHONPATH", "")) if p)
         command = [sys.executable, "-m", self.module, *self.args]
         if self.netns is not None:
             command = ["ip", "netns", "exec", self.netns, *command]
-        with self.log_path.open("ab" if self.starts else "wb") as log:
+        with native.open("ab" if self.starts else "wb") as log:
             self.process = subprocess.Popen(
                 command,
                 stdout=log,
@@ -134,11 +157,17 @@ class ServiceProcess:
         return self.process.pid
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        """The last `lines` lines of the JSON log, then of the native output (where a crash's
+        traceback and a refusal's message are), each file's lines in order."""
+        tails = []
+        for path in (self.log_path, self.native_log_path):
+            try:
+                text = path.read_text(errors="replace")
+            except FileNotFoundError:
+                continue
+            if text.strip():
+                tails.append("\n".join(text.splitlines()[-lines:]))
+        return "\n".join(tails)
 
     def wait_ready(self, timeout_s: float, listener: str | None = None) -> str:
         """Block until the service printed its address; return it. `listener`: the address of
@@ -147,7 +176,7 @@ class ServiceProcess:
         deadline = time.monotonic() + timeout_s
         pattern = _LISTENING if listener is None else re.compile(rf"^{listener} listening on (\S+:\d+)$", re.MULTILINE)
         while time.monotonic() < deadline:
-            with self.log_path.open("rb") as log:
+            with self.native_log_path.open("rb") as log:
                 log.seek(self._log_offset)
                 match = pattern.search(log.read().decode(errors="replace"))
             if match and listener is not None:

@@ -58,6 +58,9 @@ class StackSpec:
     pds: int = 1  # e+pd
     model: Path = Path("var/models/qwen2_5_omni-tiny")
     run_dir: Path = Path("var/run/stack")
+    # Where the services' logs go (and the store's, under store/); None: run_dir. A launcher gives
+    # each run a directory of its own (libs/launch/runs.py).
+    log_dir: Path | None = None
     torch_threads: int = 1
     # Registered pool per model service, in MiB: committed memory, so keep it to what the model
     # needs (the tiny checkpoint moves kilobytes; the services' own defaults suit real models).
@@ -146,6 +149,10 @@ class Stack:
         self._ports: set[int] = set()
 
     @property
+    def log_dir(self) -> Path:
+        return self.spec.log_dir or self.spec.run_dir
+
+    @property
     def tls_dir(self) -> Path:
         return self.spec.run_dir / TLS_DIR
 
@@ -189,7 +196,7 @@ class Stack:
             name=name,
             module=module,
             args=args,
-            log_path=spec.run_dir / f"{name}.log",
+            log_path=self.log_dir / f"{name}.log",
             env=spec.env,
             cpus=None if place is None else place.cpus(role),
             nice=0 if place is None else place.nice(role),
@@ -229,7 +236,7 @@ class Stack:
             if spec.encoder_engine != "reference":  # older checkouts' encoders have no --engine flag
                 encoder_args += ["--engine", spec.encoder_engine]
             if spec.cache_store:
-                self.store = start_store(spec.run_dir / "store", segment_size=spec.cache_store_mib << 20)
+                self.store = start_store(self.log_dir / "store", segment_size=spec.cache_store_mib << 20)
                 encoder_args += ["--cache-master", self.store.master_address]
             encoders = [self._process(f"encoder-{i}", "services.encoder", encoder_args) for i in range(spec.encoders)]
             lm_args = [*self._model_args(), *self._engine_args()]  # the language-model services

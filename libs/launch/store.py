@@ -4,6 +4,10 @@ The holder lends `segment_size` bytes to the store (encoders run clients that le
 child processes on free 127.0.0.1 ports; readiness is read from the master's HTTP admin port
 (`/health`, then `master_total_capacity_bytes` once the holder's segment is mounted). Stopping is by
 PID, SIGTERM then SIGKILL. Used by the launcher (libs/launch/stack.py) and by the tests.
+
+Their output (glog text, not JSON) goes to `<binary>.native.log` in the log directory: the suffix
+says what a service's native output file says (libs/launch/process.py), so every other `*.log` of a
+run holds JSON lines only.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from libs.launch.process import free_port
+from libs.launch.process import NATIVE_SUFFIX, free_port
 
 HOST = "127.0.0.1"
 log = logging.getLogger(__name__)
@@ -113,7 +117,7 @@ class StoreProcesses:
         return {name: float(value) for name, value in found}
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        out = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
+        out = open(self._log(name), "wb")  # noqa: SIM115 - lives as long as the process
         self._logs.append(out)
         return subprocess.Popen(
             [str(mooncake_binary(name)), *args, "--logtostderr"],
@@ -122,6 +126,9 @@ class StoreProcesses:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C to the parent is ours to forward, not the terminal's
         )
+
+    def _log(self, name: str) -> Path:
+        return self.log_dir / f"{name}{NATIVE_SUFFIX}"
 
     def start_master(self, timeout: float = 15.0, *, same_ports: bool = False) -> None:
         """Start the master; `same_ports` restarts it where clients already look (after a crash)."""
@@ -169,12 +176,12 @@ class StoreProcesses:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise StoreStartError(f"{name} exited with {proc.returncode}:\n{_tail(self.log_dir / f'{name}.log')}")
+                raise StoreStartError(f"{name} exited with {proc.returncode}:\n{_tail(self._log(name))}")
             if ready():
                 return
             time.sleep(0.05)
         state = _proc_state(proc.pid)
-        raise StoreStartError(f"{name} not ready after {timeout} s ({state}):\n{_tail(self.log_dir / f'{name}.log')}")
+        raise StoreStartError(f"{name} not ready after {timeout} s ({state}):\n{_tail(self._log(name))}")
 
     def stop_holder(self) -> None:
         stop_process(self.holder)

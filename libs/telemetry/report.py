@@ -101,6 +101,23 @@ def breakdowns(spans: Iterable[SpanRecord]) -> list[RequestBreakdown]:
     return sorted(out, key=lambda b: b.start_ns)
 
 
+# Prefixes of the ids the OpenAI door answers with (`chatcmpl-<request id>`): the request id follows.
+_DOOR_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+def matching(items: list[RequestBreakdown], ident: str) -> list[RequestBreakdown]:
+    """The requests an id names, as a user has it: the request id `epd generate` prints, the OpenAI
+    door's response id (`chatcmpl-<request id>`; its choices when it asked for several, `<id>-i`),
+    a report row's label, a trace id; or the start of one of them (8 characters at least)."""
+    wanted = ident.strip().strip("[]")
+    for prefix in _DOOR_PREFIXES:
+        wanted = wanted.removeprefix(prefix)
+    exact = [b for b in items if wanted in (b.request_id, b.trace_id)]
+    if exact or len(wanted) < 8:
+        return exact
+    return [b for b in items if b.request_id.startswith(wanted) or b.trace_id.startswith(wanted)]
+
+
 def _percentile(values: list[float], q: float) -> float:
     if len(values) == 1:
         return values[0]
@@ -110,9 +127,11 @@ def _percentile(values: list[float], q: float) -> float:
 def render_text(items: list[RequestBreakdown]) -> str:
     """Per-request rows and p50/p90/p99 rows, milliseconds."""
     if not items:
-        return "no request traces found (is the trace exporter on, and did the services shut down cleanly?)\n"
+        return "no request traces found (is the trace exporter on? has a request through the router finished?)\n"
     columns = ["ttft", *CATEGORIES, "e2e"]
-    header = f"{'request':<20} " + " ".join(f"{c:>10}" for c in columns) + f" {'tokens':>6}"
+    # Whole ids (what `epd generate` and the OpenAI door print, what --waterfall takes), not cut.
+    width = max(20, *(len(b.request_id or b.trace_id) for b in items))
+    header = f"{'request':<{width}} " + " ".join(f"{c:>10}" for c in columns) + f" {'tokens':>6}"
     lines = [
         "time to first token split by stage (ms); rpc = hops (call minus server span), service / router = "
         "their bookkeeping, other = no span",
@@ -120,11 +139,11 @@ def render_text(items: list[RequestBreakdown]) -> str:
     ]
 
     def row(label: str, values: list[float], tokens: str) -> str:
-        return f"{label:<20} " + " ".join(f"{v * 1e3:>10.2f}" for v in values) + f" {tokens:>6}"
+        return f"{label:<{width}} " + " ".join(f"{v * 1e3:>10.2f}" for v in values) + f" {tokens:>6}"
 
     for b in items:
         values = [b.ttft_s, *(b.parts[c] for c in CATEGORIES), b.e2e_s]
-        lines.append(row((b.request_id or b.trace_id)[:20], values, str(b.output_tokens)))
+        lines.append(row(b.request_id or b.trace_id, values, str(b.output_tokens)))
     for q in (50, 90, 99):
         series = [
             [b.ttft_s for b in items],

@@ -31,6 +31,11 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, DEFAULT_ON
 
 EXPORTERS = ("none", "jsonl", "otlp", "console")
+# How long a finished span may wait in its process before it is exported (the batch processor's
+# schedule delay; the SDK's default is 5 s). Short, so a trace report run right after a request
+# finds it: spans of a finished request are in the file within this delay (plus the write), while
+# the span's end itself stays off the request's path (exports run on the processor's thread).
+EXPORT_DELAY_S = 0.25
 
 
 class JsonlSpanExporter(SpanExporter):
@@ -101,7 +106,7 @@ def configure_tracing(
     span_exporter = make_exporter(exporter, trace_file, otlp_endpoint)
     provider = TracerProvider(resource=resource, sampler=DEFAULT_ON if span_exporter is not None else ALWAYS_OFF)
     if span_exporter is not None:
-        provider.add_span_processor(BatchSpanProcessor(span_exporter))
+        provider.add_span_processor(BatchSpanProcessor(span_exporter, schedule_delay_millis=int(EXPORT_DELAY_S * 1000)))
     if set_global:
         trace.set_tracer_provider(provider)
     return TracingHandle(provider=provider, instance_id=instance_id)

@@ -300,8 +300,9 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
         )
         assert reply.returncode == 0, reply.stderr
         assert re.search(r"4 tokens, length", reply.stderr), reply.stderr
-        log = (run_dir / "encoder-0.log").read_text()
-        encoder = re.search(r"^encoder listening on (\S+)$", log, re.MULTILINE)
+        logs_dir = run_dir / "latest"  # this run's logs (libs/launch/runs.py)
+        log = (logs_dir / "encoder-0.log").read_text()  # JSON lines; the listening line is in the native output
+        encoder = re.search(r"^encoder listening on (\S+)$", (logs_dir / "encoder-0.native.log").read_text(), re.M)
         assert encoder is not None
         started = next(_json.loads(line) for line in log.splitlines() if '"starting"' in line)
         assert started["settings"]["cached_max_running"] == "2"
@@ -312,15 +313,15 @@ def test_epd_up_runs_a_description(tmp_path: Path) -> None:
             )
         assert "transfer.lease_stamp" in info.info.capabilities
         assert "transfer.checksums" not in info.info.capabilities
-        logs = [(run_dir / f"pd-{i}.log").read_text() for i in (0, 1)]
+        logs = [(logs_dir / f"pd-{i}.native.log").read_text() for i in (0, 1)]
         pds = [re.search(r"^pd listening on (\S+)$", text, re.MULTILINE) for text in logs]
         router = next(
-            _json.loads(line) for line in (run_dir / "router.log").read_text().splitlines() if '"starting"' in line
+            _json.loads(line) for line in (logs_dir / "router.log").read_text().splitlines() if '"starting"' in line
         )
         assert all(pd is not None and pd.group(1) in str(router["settings"]["pd"]) for pd in pds), router["settings"]
         # `epd up` writes the address file after the door is listening (Stack.up waits for its line).
-        assert not (run_dir / "openai_door.log").exists()  # no process of its own
-        door = re.search(r"^openai_door listening on (\S+)$", (run_dir / "router.log").read_text(), re.MULTILINE)
+        assert not (logs_dir / "openai_door.log").exists()  # no process of its own
+        door = re.search(r"^openai_door listening on (\S+)$", (logs_dir / "router.native.log").read_text(), re.M)
         assert door is not None
         with urllib.request.urlopen(f"http://{door.group(1)}/health", timeout=10) as health:
             assert health.status == 200  # the router is SERVING

@@ -19,7 +19,7 @@ def _started(tmp_path: Path) -> tuple[ServiceProcess, int]:
     service = ServiceProcess("worker", "tests.support.parent", [], log_path=tmp_path / "worker.log")
     service.start()
     service.wait_ready(30)
-    match = re.search(r"^child (\d+)$", service.log_path.read_text(), re.MULTILINE)
+    match = re.search(r"^child (\d+)$", service.native_log_path.read_text(), re.MULTILINE)
     assert match, service.log_tail()
     return service, int(match.group(1))
 
@@ -64,7 +64,7 @@ def test_a_placed_service_and_what_it_starts_run_on_its_cpus_at_its_priority(tmp
     service.start()
     try:
         service.wait_ready(30)
-        match = re.search(r"^child (\d+)$", service.log_path.read_text(), re.MULTILINE)
+        match = re.search(r"^child (\d+)$", service.native_log_path.read_text(), re.MULTILINE)
         assert match, service.log_tail()
         nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)
         for pid in (service.pid, int(match.group(1))):

@@ -1,6 +1,7 @@
 """`epd ... --help` as a user reads it: every option whose default means something shows it (the
-bench's --duration, --mix and --out, generate's --max-tokens, up's --run-dir and --trace-file, ...),
-in every subcommand, from one formatter; and the README's curl line is the one `epd up` prints."""
+bench's --duration, --mix and --out, generate's --max-tokens, up's --run-dir and --trace-file, the
+trace report's --run-dir, ...), in every subcommand, from one formatter; and the README's curl line
+is the one `epd up` prints."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def test_every_meaningful_default_is_shown() -> None:
     [
         (("generate",), "--max-tokens", "(default: 64)"),
         (("up",), "--run-dir", "(default: var/run/stack)"),
-        (("up",), "--trace-file", "(default: var/traces/spans.jsonl)"),
+        (("up",), "--trace-file", "(default: spans.jsonl in the run's directory, RUN_DIR/runs/ID/"),
+        (("trace", "report"), "--run-dir", "(default: var/run/stack)"),
         (("bench",), "--mix", "(default: text=0.5,image=0.5)"),
         (("plan",), "--slo-ttft", "(default: 5.0)"),
         (("deploy", "render"), "--out", "(default: var/k8s;"),

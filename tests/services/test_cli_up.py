@@ -94,7 +94,8 @@ def test_epd_up_holds_its_run_directory_and_prints_what_works(model_path: Path, 
     assert len(exits) == 2 and all(stopping < at for at in exits), out
     statuses = re.search(r"^stopped: (\{.*\})$", out, re.MULTILINE)
     assert statuses is not None and out.index("stopped: ") > max(exits)
-    # Only what the stack wrote is gone: its address and lock; the logs and the user's file stay.
-    assert sorted(p.name for p in run_dir.iterdir()) == ["colocated.log", "notes.txt", "openai_door.log"]
+    # Only what the stack wrote is gone: its address and lock; the run's logs and the user's file stay.
+    assert sorted(p.name for p in run_dir.iterdir()) == ["latest", "notes.txt", "runs"]
+    assert {p.name for p in (run_dir / "latest").iterdir()} >= {"colocated.log", "openai_door.log"}
     after = run_epd(["generate", "Hello", "--run-dir", str(run_dir)], tmp_path, 60)
     assert after.returncode == 2 and "no --address and no running `epd up` stack" in after.stderr

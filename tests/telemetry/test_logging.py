@@ -5,12 +5,15 @@ from __future__ import annotations
 import io
 import json
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import structlog
 from opentelemetry.sdk.trace import TracerProvider
 
 from libs.telemetry import bind_request, configure_logging
+from libs.telemetry.logging import LOG_FILE_ENV
 
 pytestmark = pytest.mark.unit
 
@@ -48,3 +51,20 @@ def test_stdlib_loggers_share_the_format() -> None:
     (line,) = _lines(stream)
     assert line["event"] == "peer 127.0.0.1:1 gone"
     assert line["logger"] == "grpc.some.module" and line["service"] == "router"
+
+
+def test_a_launched_service_logs_to_the_file_the_launcher_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EPD_LOG_FILE (set by libs/launch/process.py): JSON lines go to that file, appended, not stderr."""
+    path = tmp_path / "logs" / "encoder.log"
+    path.parent.mkdir()
+    path.write_text('{"event": "an earlier incarnation"}\n')
+    monkeypatch.setenv(LOG_FILE_ENV, str(path))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # configure_logging chains one; undone after
+    configure_logging("encoder", level="info")
+    structlog.get_logger("test").info("encoded", items=1)
+    logging.getLogger("grpc").warning("from stdlib")
+    logging.captureWarnings(False)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["event"] for r in records] == ["an earlier incarnation", "encoded", "from stdlib"]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from libs.telemetry.report import CATEGORIES, attribute, breakdowns, render_text
+from libs.telemetry.report import CATEGORIES, RequestBreakdown, attribute, breakdowns, matching, render_text
 from libs.telemetry.spans import SpanRecord
 
 pytestmark = pytest.mark.unit
@@ -133,3 +133,26 @@ def test_time_outside_stages_goes_to_the_innermost_marked_span() -> None:
         span(s.name, s.attributes.get("epd.stage"), (s.start_ns - T0) / MS, (s.end_ns - T0) / MS) for s in spans
     ]
     assert attribute(unmarked, T0, T0 + 22 * MS)["other"] == pytest.approx(0.0115)  # without marks: other
+
+
+def _request(request_id: str, trace_id: str) -> RequestBreakdown:
+    return RequestBreakdown(trace_id, 0, request_id, ["router"], 0.01, 0.02, 4, dict.fromkeys(CATEGORIES, 0.0))
+
+
+def test_a_request_is_found_by_the_ids_users_are_shown() -> None:
+    """`epd generate` prints the request id, the OpenAI door answers `chatcmpl-<request id>` (its
+    choices run as `<id>-0`, `<id>-1`), the report's rows show the whole request id; any of them,
+    or the trace id, or the start of one of them, names the request."""
+    cli = _request("c8dab82ab3b04443baad8cd916c467b7", "ab" * 16)
+    door = _request("19c38c6ce16149308488858a81807589", "cd" * 16)
+    choices = [_request(f"5f0e{'1' * 28}-{i}", f"{i}e" * 16) for i in (0, 1)]
+    items = [cli, door, *choices]
+    assert matching(items, "c8dab82ab3b04443baad8cd916c467b7") == [cli]
+    assert matching(items, "[c8dab82ab3b04443baad8cd916c467b7]") == [cli]  # as printed, brackets and all
+    assert matching(items, "chatcmpl-19c38c6ce16149308488858a81807589") == [door]
+    assert matching(items, "cd" * 16) == [door]
+    assert matching(items, "c8dab82a") == [cli]  # a prefix of 8 or more
+    assert matching(items, "c8da") == []  # shorter: too loose to name one
+    assert matching(items, f"chatcmpl-5f0e{'1' * 28}") == choices
+    text = render_text(items)
+    assert "c8dab82ab3b04443baad8cd916c467b7 " in text  # the whole id, not its first 20 characters

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from opentelemetry import propagate
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from libs.telemetry import configure_tracing
+from libs.telemetry.tracing import EXPORT_DELAY_S
 
 pytestmark = pytest.mark.unit
 
@@ -36,6 +38,23 @@ def test_jsonl_exporter_writes_spans_with_resource(tmp_path: Path) -> None:
     assert resource["service.name"] == "prefill" and resource["service.version"] == "0.1.0"
     assert resource["service.instance.id"] == handle.instance_id
     assert parent.get_span_context().span_id == int(prefill["context"]["span_id"], 16)
+
+
+def test_a_finished_span_reaches_the_file_without_a_flush(tmp_path: Path) -> None:
+    """Spans are exported on the processor's schedule, EXPORT_DELAY_S after they end, not the SDK's
+    5 s default: a report run right after a request finds it while the stack keeps running."""
+    path = tmp_path / "spans.jsonl"
+    handle = configure_tracing("router", "0.1.0", exporter="jsonl", trace_file=path, set_global=False)
+    try:
+        with handle.provider.get_tracer("test").start_as_current_span("GenerateService/Generate"):
+            pass
+        ended = time.monotonic()
+        while not (path.exists() and path.read_text()):  # no force_flush, no shutdown: the schedule alone
+            assert time.monotonic() - ended < 4.0, "the span was not exported within 4 s (the SDK's default is 5 s)"
+            time.sleep(0.01)
+        assert EXPORT_DELAY_S <= 1.0
+    finally:
+        handle.shutdown()
 
 
 class _Receiver(trace_service_pb2_grpc.TraceServiceServicer):
