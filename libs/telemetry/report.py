@@ -36,6 +36,9 @@ class RequestBreakdown:
     e2e_s: float
     output_tokens: int
     parts: dict[str, float]  # category -> seconds of TTFT
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from a cached prefix
+    held_items: int = 0  # media items no encoder saw: the member held them (contract 1.9)
 
     @property
     def after_first_token_s(self) -> float:
@@ -96,6 +99,9 @@ def breakdowns(spans: Iterable[SpanRecord]) -> list[RequestBreakdown]:
                 e2e_s=root.duration_s,
                 output_tokens=int(root.attributes.get("gen_ai.usage.output_tokens", 0)),
                 parts=parts,
+                prompt_tokens=int(root.attributes.get("gen_ai.usage.input_tokens", 0)),
+                cached_tokens=int(root.attributes.get("epd.usage.cached_input_tokens", 0)),
+                held_items=int(root.attributes.get("epd.encode.held_items", 0)),
             )
         )
     return sorted(out, key=lambda b: b.start_ns)
@@ -131,19 +137,24 @@ def render_text(items: list[RequestBreakdown]) -> str:
     columns = ["ttft", *CATEGORIES, "e2e"]
     # Whole ids (what `epd generate` and the OpenAI door print, what --waterfall takes), not cut.
     width = max(20, *(len(b.request_id or b.trace_id) for b in items))
-    header = f"{'request':<{width}} " + " ".join(f"{c:>10}" for c in columns) + f" {'tokens':>6}"
+    header = (
+        f"{'request':<{width}} " + " ".join(f"{c:>10}" for c in columns) + f" {'tokens':>6} {'cached':>13} {'held':>4}"
+    )
     lines = [
         "time to first token split by stage (ms); rpc = hops (call minus server span), service / router = "
-        "their bookkeeping, other = no span",
+        "their bookkeeping, other = no span; cached = prompt tokens from a cached prefix / prompt tokens, "
+        "held = media items no encoder saw (the member held them)",
         header,
     ]
 
-    def row(label: str, values: list[float], tokens: str) -> str:
-        return f"{label:<{width}} " + " ".join(f"{v * 1e3:>10.2f}" for v in values) + f" {tokens:>6}"
+    def row(label: str, values: list[float], tokens: str, cached: str = "", held: str = "") -> str:
+        times = " ".join(f"{v * 1e3:>10.2f}" for v in values)
+        return f"{label:<{width}} {times} {tokens:>6} {cached:>13} {held:>4}".rstrip()
 
     for b in items:
         values = [b.ttft_s, *(b.parts[c] for c in CATEGORIES), b.e2e_s]
-        lines.append(row(b.request_id or b.trace_id, values, str(b.output_tokens)))
+        cached = f"{b.cached_tokens}/{b.prompt_tokens}"
+        lines.append(row(b.request_id or b.trace_id, values, str(b.output_tokens), cached, str(b.held_items)))
     for q in (50, 90, 99):
         series = [
             [b.ttft_s for b in items],
@@ -151,4 +162,9 @@ def render_text(items: list[RequestBreakdown]) -> str:
             [b.e2e_s for b in items],
         ]
         lines.append(row(f"p{q} ({len(items)} requests)", [_percentile(s, q) for s in series], ""))
+    cached_share = sum(b.cached_tokens for b in items) / max(1, sum(b.prompt_tokens for b in items))
+    lines.append(
+        f"prompt tokens from a cached prefix: {cached_share:.0%}; media items held, not encoded: "
+        f"{sum(b.held_items for b in items)}"
+    )
     return "\n".join(lines) + "\n"

@@ -156,3 +156,29 @@ def test_a_request_is_found_by_the_ids_users_are_shown() -> None:
     assert matching(items, f"chatcmpl-5f0e{'1' * 28}") == choices
     text = render_text(items)
     assert "c8dab82ab3b04443baad8cd916c467b7 " in text  # the whole id, not its first 20 characters
+
+
+def test_each_row_says_what_a_cached_prefix_and_held_items_saved() -> None:
+    """A conversation's later turn: its cached prompt tokens and the items no encoder saw, per row
+    and in total (the root span's epd.usage.cached_input_tokens and epd.encode.held_items)."""
+
+    def turn(trace: str, request: str, cached: int, held: int) -> SpanRecord:
+        attributes = {
+            "epd.ttft_s": 0.01,
+            "epd.request_id": request,
+            "gen_ai.usage.input_tokens": 400,
+            "epd.usage.cached_input_tokens": cached,
+        }
+        if held:
+            attributes["epd.encode.held_items"] = held
+        return span(
+            "GenerateService/Generate", None, 0, 20, service="router", parent_id="", trace_id=trace, **attributes
+        )
+
+    first, later = breakdowns([turn("01" * 16, "turn-1", 0, 0), turn("02" * 16, "turn-2", 320, 1)])
+    assert (first.cached_tokens, first.held_items) == (0, 0)
+    assert (later.prompt_tokens, later.cached_tokens, later.held_items) == (400, 320, 1)
+    text = render_text([first, later])
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("turn-")}
+    assert rows["turn-1"][-2:] == ["0/400", "0"] and rows["turn-2"][-2:] == ["320/400", "1"]
+    assert "prompt tokens from a cached prefix: 40%; media items held, not encoded: 1" in text
