@@ -20,7 +20,7 @@ SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 # espeak-ng synthesizes the speech the Whisper demo and tests transcribe; `make run` calls the OpenAI door with curl.
 SYSTEM_PACKAGES := libibverbs1 espeak-ng curl
 
-.PHONY: help deps proto proto-check lint test test-fast run clean models bench-engine bench-transfer bench-cache bench-vllm bench-encoder bench-pixels bench-vs-vllm bench-vs-vllm-quick bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign callpath fuzz soak
+.PHONY: help deps proto proto-check lint test test-fast run clean models bench-engine bench-transfer bench-cache bench-vllm bench-encoder bench-pixels bench-vs-vllm bench-vs-vllm-quick bench-conversations bench-conversations-quick bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign callpath fuzz soak
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -100,6 +100,14 @@ bench-vs-vllm: deps ## EPD (door) vs vLLM's own deployments on `vllm bench serve
 
 bench-vs-vllm-quick: deps ## the same, smoke size: c=1,4, one repeat, 8 prompts (not in make test)
 	$(PY) tests/benchmarks/bench_vs_vllm.py --quick --out var/bench-vs-vllm-quick
+
+# Multi-turn conversations that keep their image (issue 61): EPD (both engines, E+PD and E/P/D, 1 and 2 members)
+# against one `vllm serve` and vLLM's own E+PD (1 and 2 PD servers), interleaved repeats (docs/results/conversations.md).
+bench-conversations: deps ## conversations x turns, short and long, c=1,4,16: TTFT per turn, prefix hits, encodes, affinity (not in make test)
+	$(PY) tests/benchmarks/bench_conversations.py --repeats 3 --out var/bench-conversations/run
+
+bench-conversations-quick: deps ## the same, smoke size: c=1,4, 3 turns, one repeat (not in make test)
+	$(PY) tests/benchmarks/bench_conversations.py --quick --out var/bench-conversations/quick
 
 bench-encoder: deps ## images/s at 1, 4, 16 concurrent Encode calls: vLLM encoder vs reference encoder (not in make test)
 	$(PY) tests/benchmarks/bench_encoder_engines.py --family qwen2_5_vl

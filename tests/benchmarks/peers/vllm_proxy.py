@@ -16,21 +16,28 @@ most one prefill and one PD (or decode) server, written for this harness:
 
 The example also retries failed stages (3 tries) and fans one request out per item to several
 encoders; neither is done here: a failed stage is a failed request, which the benchmark counts.
+Given several PD (or decode) servers (`--decode URL,URL`), each request goes to one picked at
+random, as the example picks (`random.choice`; seeded here, `--seed`): it knows nothing of a
+conversation's prefix. `GET /proxy/calls` lists, per request so far, its `x-request-id`, whether
+the encoder was called and which PD (or decode) server took it (`make bench-conversations`).
 
-    python -m tests.benchmarks.peers.vllm_proxy --port P --encoder URL [--prefill URL] --decode URL
+    python -m tests.benchmarks.peers.vllm_proxy --port P --encoder URL [--prefill URL] --decode URL[,URL...]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import random
 import uuid
+from collections import deque
 from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
 MEDIA_PARTS = frozenset({"image_url", "audio_url", "input_audio"})
 # The remote-decode marker the example sends its prefill server (NixlConnector's request side).
+CALLS_KEPT = 100_000  # per-request records `GET /proxy/calls` lists, the latest kept
 REMOTE_DECODE = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -81,10 +88,15 @@ def decode_request(body: dict[str, Any], prefill_answer: dict[str, Any] | None) 
 
 
 class Proxy:
-    def __init__(self, encoder: str, prefill: str | None, decode: str, timeout_s: float) -> None:
-        self.encoder, self.prefill, self.decode = encoder.rstrip("/"), (prefill or "").rstrip("/"), decode.rstrip("/")
+    def __init__(self, encoder: str, prefill: str | None, decode: str, timeout_s: float, seed: int = 0) -> None:
+        self.encoder, self.prefill = encoder.rstrip("/"), (prefill or "").rstrip("/")
+        # One or several PD (decode) servers, comma-separated; one is picked at random per request.
+        self.decodes = [u.rstrip("/") for u in decode.split(",") if u]
+        self.decode = self.decodes[0]
         self.timeout = ClientTimeout(total=timeout_s)
         self.session: ClientSession | None = None
+        self._random = random.Random(seed)
+        self.calls: deque[dict[str, Any]] = deque(maxlen=CALLS_KEPT)
 
     async def start(self, _app: web.Application) -> None:
         # One pooled session, unlimited connections (as the example): the client bounds concurrency.
@@ -112,10 +124,13 @@ class Proxy:
             raise web.HTTPBadRequest(text="body: not a JSON object")
         headers = {"x-request-id": request.headers.get("x-request-id", uuid.uuid4().hex)}
         path = "/v1/chat/completions"
-        if has_media(body):
+        decode = self.decodes[0] if len(self.decodes) == 1 else self._random.choice(self.decodes)
+        media = has_media(body)
+        self.calls.append({"request_id": headers["x-request-id"], "encoder": media, "decode": decode})
+        if media:
             await self._post_whole(self.encoder + path, encoder_request(body), headers)
         answer = await self._post_whole(self.prefill + path, prefill_request(body), headers) if self.prefill else None
-        async with self.session.post(self.decode + path, json=decode_request(body, answer), headers=headers) as resp:
+        async with self.session.post(decode + path, json=decode_request(body, answer), headers=headers) as resp:
             out = web.StreamResponse(status=resp.status, headers={"Content-Type": resp.content_type})
             await out.prepare(request)
             async for chunk in resp.content.iter_any():
@@ -128,11 +143,15 @@ class Proxy:
         async with self.session.get(self.decode + "/v1/models") as resp:
             return web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
 
+    async def calls_made(self, _request: web.Request) -> web.Response:
+        return web.json_response(list(self.calls))
+
 
 def app(proxy: Proxy) -> web.Application:
     application = web.Application(client_max_size=64 << 20)  # several images per request, base64
     application.router.add_post("/v1/chat/completions", proxy.chat)
     application.router.add_get("/v1/models", proxy.models)
+    application.router.add_get("/proxy/calls", proxy.calls_made)
     application.on_startup.append(proxy.start)
     application.on_cleanup.append(proxy.close)
     return application
@@ -144,10 +163,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--encoder", required=True, help="base URL of the encoder-only vllm serve")
     parser.add_argument("--prefill", default="", help="base URL of the prefill vllm serve (E/P/D)")
-    parser.add_argument("--decode", required=True, help="base URL of the PD (or decode) vllm serve")
+    parser.add_argument(
+        "--decode", required=True, help="base URL of the PD (or decode) vllm serve; several, comma-separated"
+    )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per upstream call")
+    parser.add_argument("--seed", type=int, default=0, help="of the random pick among several --decode servers")
     ns = parser.parse_args(argv)
-    proxy = Proxy(ns.encoder, ns.prefill or None, ns.decode, ns.timeout_s)
+    proxy = Proxy(ns.encoder, ns.prefill or None, ns.decode, ns.timeout_s, ns.seed)
     web.run_app(app(proxy), host=ns.host, port=ns.port, print=None, access_log=None)
 
 
