@@ -20,7 +20,7 @@ SNAPSHOTS := $(sort $(wildcard proto/snapshots/v*))
 # espeak-ng synthesizes the speech the Whisper demo and tests transcribe; `make run` calls the OpenAI door with curl.
 SYSTEM_PACKAGES := libibverbs1 espeak-ng curl
 
-.PHONY: help deps proto proto-check lint test test-fast run clean models bench-engine bench-transfer bench-cache bench-vllm bench-encoder bench-pixels bench-vs-vllm bench-vs-vllm-quick bench-conversations bench-conversations-quick bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign callpath fuzz soak
+.PHONY: help deps proto proto-check lint test test-fast run clean models bench-engine bench-transfer bench-cache bench-vllm bench-encoder bench-pixels bench-vs-vllm bench-vs-vllm-quick bench-conversations bench-conversations-quick bench-door-fairness bench-all bench-tax bench-split bench-split-vllm bench-metadata bench-reassign callpath fuzz soak
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -108,6 +108,9 @@ bench-conversations: deps ## conversations x turns, short and long, c=1,4,16: TT
 
 bench-conversations-quick: deps ## the same, smoke size: c=1,4, 3 turns, one repeat (not in make test)
 	$(PY) tests/benchmarks/bench_conversations.py --quick --out var/bench-conversations/quick
+
+bench-door-fairness: deps ## short TTFT beside long streams, a 1,024 burst's 429s, 1,000 idle connections (not in make test)
+	$(PY) tests/benchmarks/bench_door_fairness.py --repeats 3 --out var/bench-door-fairness/run.json
 
 bench-encoder: deps ## images/s at 1, 4, 16 concurrent Encode calls: vLLM encoder vs reference encoder (not in make test)
 	$(PY) tests/benchmarks/bench_encoder_engines.py --family qwen2_5_vl

@@ -37,6 +37,7 @@ from libs.contract.chunks import merge_responses
 from libs.contract.epd.v1 import generate_pb2, generation_pb2, media_pb2
 from libs.door.calls import GenerateCall
 from libs.door.calls import responses as choice_responses
+from libs.door.gate import TICKET, Gate, Ticket
 from libs.door.guard import CLIENT_CLOSED, Guard, Metrics, log_failure
 from libs.door.openai import body as json_body
 from libs.door.openai import chat, completions, errors, responses, transcription
@@ -122,9 +123,12 @@ def create_app(
     fetch: FetchClient,
     health: Callable[[], Awaitable[bool]],
     registry: CollectorRegistry | None = None,
+    gate: Gate | None = None,
 ) -> fastapi.FastAPI:
     """The application; its instruments go into `registry` (a new one when None), which its
-    /metrics serves."""
+    /metrics serves. `gate` refuses a request at its arrival, before its body is read, when the
+    router would refuse it (libs/door/gate.py); None: no such bound (the router's still holds)."""
+    gate = gate or Gate(1 << 62, lambda: 0)
     # No redirect from `/v1/chat/completions/` to the route: a path the door does not serve is a 404.
     app = fastapi.FastAPI(
         title="EPD OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False
@@ -251,11 +255,13 @@ def create_app(
         route: str,
         prepared: Callable[[], Awaitable[list[generate_pb2.GenerateRequest]]],
         render: Rendering,
+        ticket: Ticket,
         media_fields: Sequence[str] = (),
     ) -> Response:
         """The choices' `Generate` calls, answered whole or as SSE. A stream waits for the router's
         first answer before its 200 goes out, so a refusal (429, 503, ...) keeps its status; one
-        server span covers the request, to the stream's end."""
+        server span covers the request, to the stream's end. `ticket` (the gate's) is handed on as
+        the calls start."""
         span = _tracer.start_span(route, context=propagate.extract(dict(request.headers)), kind=SpanKind.SERVER)
         started = time.perf_counter()
         choices = [responses.Choice(i) for i in range(render.n)]
@@ -277,7 +283,9 @@ def create_app(
         if not render.stream:
 
             async def whole() -> dict[str, Any]:
-                async for index, response in choice_responses(generate, await prepared(), render.token):
+                requests = await prepared()
+                ticket.called()
+                async for index, response in choice_responses(generate, requests, render.token):
                     add(index, response)
                 return render.whole(choices)
 
@@ -290,7 +298,9 @@ def create_app(
         try:
             with trace.use_span(span):
                 # A client that lags gets the tokens that queued up meanwhile as one event.
-                calls = choice_responses(generate, await _unless_disconnected(request, prepared()), render.token)
+                requests = await _unless_disconnected(request, prepared())
+                ticket.called()
+                calls = choice_responses(generate, requests, render.token)
                 stream = coalesced(calls, _same_choice)
                 head = await _unless_disconnected(request, anext(stream, None))
         except BaseException as exc:
@@ -329,129 +339,156 @@ def create_app(
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    turn = asyncio.Lock()
+
+    async def in_turn(work: Callable[[], T]) -> T:
+        """`work` (a request's CPU-bound step: parsing its body, building its calls) in its turn: one
+        such step per pass of the event loop, each pass polling the sockets first. Without turns a
+        burst's admitted requests ran these steps back to back, holding the loop for seconds, and
+        the connections' refusals (libs/door/connections.py), which run when the loop polls,
+        waited behind them; the work itself is serial either way."""
+        async with turn:
+            await asyncio.sleep(0)  # the others queue behind: the next turn is the next pass's
+            return work()
+
     def request_id_of(request: fastapi.Request) -> str:
         return request.headers.get("x-request-id") or uuid.uuid4().hex
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: fastapi.Request) -> Response:
-        token = authorize(request)
-        body: chat.ChatCompletionRequest = parse(chat.ChatCompletionRequest, await body_of(request))
-        check_model(body.model)
-        request_id = request_id_of(request)
-        envelope = responses.Envelope(f"chatcmpl-{request_id}", body.model, int(time.time()))
+        with gate.arrival(request.scope.get(TICKET)) as ticket:  # its place, before anything is read
+            token = authorize(request)
+            raw = await body_of(request)
+            body: chat.ChatCompletionRequest = await in_turn(lambda: parse(chat.ChatCompletionRequest, raw))
+            check_model(body.model)
+            request_id = request_id_of(request)
+            envelope = responses.Envelope(f"chatcmpl-{request_id}", body.model, int(time.time()))
 
-        async def prepared() -> list[generate_pb2.GenerateRequest]:
-            media = await fetched_media(body)
+            async def prepared() -> list[generate_pb2.GenerateRequest]:
+                media = await fetched_media(body)
+                temperature = config.default_temperature
+                salt = tenant_salt(token, body.cache_salt)
+                return await in_turn(
+                    lambda: [
+                        chat.generate_request(
+                            body,
+                            media,
+                            request_id=request_id,
+                            choice=i,
+                            default_temperature=temperature,
+                            cache_salt=salt,
+                        )
+                        for i in range(body.n)
+                    ]
+                )
+
+            render = Rendering(
+                token=token,
+                n=body.n,
+                stream=body.stream,
+                include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                whole=lambda choices: envelope.chat_completion(choices, body.logprobs),
+                chunk=lambda i, chunk, first: envelope.chat_chunk(i, chunk, first=first, logprobs=body.logprobs),
+                usage=lambda choices: envelope.usage_chunk("chat.completion.chunk", choices),
+            )
+            media_fields = [chat.source_field(path, part) for path, part in chat.media_parts(body)]
+            return await answer(request, "POST /v1/chat/completions", prepared, render, ticket, media_fields)
+
+    @app.post("/v1/completions")
+    async def text_completions(request: fastapi.Request) -> Response:
+        with gate.arrival(request.scope.get(TICKET)) as ticket:  # its place, before anything is read
+            token = authorize(request)
+            raw = await body_of(request)
+            body: completions.CompletionRequest = await in_turn(lambda: parse(completions.CompletionRequest, raw))
+            check_model(body.model)
+            request_id = request_id_of(request)
+            envelope = responses.Envelope(f"cmpl-{request_id}", body.model, int(time.time()))
             temperature = config.default_temperature
             salt = tenant_salt(token, body.cache_salt)
-            return [
-                chat.generate_request(
-                    body, media, request_id=request_id, choice=i, default_temperature=temperature, cache_salt=salt
+            requests = [
+                completions.generate_request(
+                    body, request_id=request_id, choice=i, default_temperature=temperature, cache_salt=salt
                 )
                 for i in range(body.n)
             ]
 
-        render = Rendering(
-            token=token,
-            n=body.n,
-            stream=body.stream,
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            whole=lambda choices: envelope.chat_completion(choices, body.logprobs),
-            chunk=lambda i, chunk, first: envelope.chat_chunk(i, chunk, first=first, logprobs=body.logprobs),
-            usage=lambda choices: envelope.usage_chunk("chat.completion.chunk", choices),
-        )
-        media_fields = [chat.source_field(path, part) for path, part in chat.media_parts(body)]
-        return await answer(request, "POST /v1/chat/completions", prepared, render, media_fields)
+            async def prepared() -> list[generate_pb2.GenerateRequest]:
+                return requests
 
-    @app.post("/v1/completions")
-    async def text_completions(request: fastapi.Request) -> Response:
-        token = authorize(request)
-        body: completions.CompletionRequest = parse(completions.CompletionRequest, await body_of(request))
-        check_model(body.model)
-        request_id = request_id_of(request)
-        envelope = responses.Envelope(f"cmpl-{request_id}", body.model, int(time.time()))
-        temperature = config.default_temperature
-        salt = tenant_salt(token, body.cache_salt)
-        requests = [
-            completions.generate_request(
-                body, request_id=request_id, choice=i, default_temperature=temperature, cache_salt=salt
+            with_logprobs = body.logprobs is not None
+            render = Rendering(
+                token=token,
+                n=body.n,
+                stream=body.stream,
+                include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                whole=lambda choices: envelope.text_completion(choices, with_logprobs),
+                chunk=lambda i, chunk, first: envelope.text_chunk(i, chunk, logprobs=with_logprobs),
+                usage=lambda choices: envelope.usage_chunk("text_completion", choices),
             )
-            for i in range(body.n)
-        ]
-
-        async def prepared() -> list[generate_pb2.GenerateRequest]:
-            return requests
-
-        with_logprobs = body.logprobs is not None
-        render = Rendering(
-            token=token,
-            n=body.n,
-            stream=body.stream,
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            whole=lambda choices: envelope.text_completion(choices, with_logprobs),
-            chunk=lambda i, chunk, first: envelope.text_chunk(i, chunk, logprobs=with_logprobs),
-            usage=lambda choices: envelope.usage_chunk("text_completion", choices),
-        )
-        return await answer(request, "POST /v1/completions", prepared, render)
+            return await answer(request, "POST /v1/completions", prepared, render, ticket)
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: fastapi.Request) -> Response:
         span_context = propagate.extract(dict(request.headers))
-        token = authorize(request)
-        if config.speech is None:
-            raise ApiError(
-                404, f"{config.served_model!r} is not a speech model: no transcriptions here", code="model_not_found"
-            )
-        form_type = request.headers.get("content-type", "")
-        if form_type.partition(";")[0].strip().lower() != "multipart/form-data":
-            shown = excerpt(form_type) if form_type else "none"
-            raise ApiError(
-                415, f"the body must be sent as multipart/form-data (got {shown})", code="unsupported_media_type"
-            )
-        check_length(request, "file")
-        try:
-            async with asyncio.timeout(config.body_timeout_s):
-                form = await request.form(
-                    max_files=1, max_fields=len(transcription.FIELDS), max_part_size=config.max_body_bytes
+        with gate.arrival(request.scope.get(TICKET)) as ticket:  # its place, before anything is read
+            token = authorize(request)
+            if config.speech is None:
+                raise ApiError(
+                    404,
+                    f"{config.served_model!r} is not a speech model: no transcriptions here",
+                    code="model_not_found",
                 )
-        except ClientDisconnect:
-            raise _client_closed() from None
-        except TimeoutError:
-            raise body_timed_out("file") from None
-        except Exception as exc:
-            raise ApiError(400, f"the request is not a valid multipart form: {exc}", code="invalid_form") from None
-        upload = form.get("file")
-        audio, mime = (
-            (await upload.read(), upload.content_type or "") if isinstance(upload, StarletteUpload) else (b"", "")
-        )
-        parsed = transcription.parse_form(dict(form.items()), audio, mime)
-        check_model(parsed.model)
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        with _tracer.start_as_current_span(
-            "POST /v1/audio/transcriptions", context=span_context, kind=SpanKind.SERVER
-        ) as span:
-
-            async def whole() -> list[tuple[list[int], str]]:
-                got = []
-                one = [transcription.request_for(parsed, request_id)]
-                async for _, response in choice_responses(generate, one, token):
-                    got.append((list(response.chunk.token_ids), response.chunk.text))
-                return got
-
+            form_type = request.headers.get("content-type", "")
+            if form_type.partition(";")[0].strip().lower() != "multipart/form-data":
+                shown = excerpt(form_type) if form_type else "none"
+                raise ApiError(
+                    415, f"the body must be sent as multipart/form-data (got {shown})", code="unsupported_media_type"
+                )
+            check_length(request, "file")
             try:
-                chunks = await _unless_disconnected(request, whole())
-            except ApiError as exc:
-                _record(span, exc)
-                raise
-        text = "".join(t for _, t in chunks).strip()
-        if parsed.response_format == "text":
-            return PlainTextResponse(text + "\n")
-        if parsed.response_format == "json":
-            return JSONResponse({"text": text})
-        assert config.speech is not None
-        tokens = [t for ids, _ in chunks for t in ids]
-        found = transcription.segments(tokens, config.speech.timestamp_begin, config.speech.decode)
-        return JSONResponse(transcription.verbose(text, found, transcription.duration_s(parsed.audio)))
+                async with asyncio.timeout(config.body_timeout_s):
+                    form = await request.form(
+                        max_files=1, max_fields=len(transcription.FIELDS), max_part_size=config.max_body_bytes
+                    )
+            except ClientDisconnect:
+                raise _client_closed() from None
+            except TimeoutError:
+                raise body_timed_out("file") from None
+            except Exception as exc:
+                raise ApiError(400, f"the request is not a valid multipart form: {exc}", code="invalid_form") from None
+            upload = form.get("file")
+            audio, mime = (
+                (await upload.read(), upload.content_type or "") if isinstance(upload, StarletteUpload) else (b"", "")
+            )
+            parsed = transcription.parse_form(dict(form.items()), audio, mime)
+            check_model(parsed.model)
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            with _tracer.start_as_current_span(
+                "POST /v1/audio/transcriptions", context=span_context, kind=SpanKind.SERVER
+            ) as span:
+
+                async def whole() -> list[tuple[list[int], str]]:
+                    got = []
+                    one = [transcription.request_for(parsed, request_id)]
+                    async for _, response in choice_responses(generate, one, token):
+                        got.append((list(response.chunk.token_ids), response.chunk.text))
+                    return got
+
+                ticket.called()
+                try:
+                    chunks = await _unless_disconnected(request, whole())
+                except ApiError as exc:
+                    _record(span, exc)
+                    raise
+            text = "".join(t for _, t in chunks).strip()
+            if parsed.response_format == "text":
+                return PlainTextResponse(text + "\n")
+            if parsed.response_format == "json":
+                return JSONResponse({"text": text})
+            assert config.speech is not None
+            tokens = [t for ids, _ in chunks for t in ids]
+            found = transcription.segments(tokens, config.speech.timestamp_begin, config.speech.decode)
+            return JSONResponse(transcription.verbose(text, found, transcription.duration_s(parsed.audio)))
 
     routes = [route.path for route in app.routes if isinstance(route, fastapi.routing.APIRoute)]
     app.add_middleware(Guard, counter=metrics.requests, routes=routes)

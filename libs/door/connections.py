@@ -3,7 +3,10 @@ the application: how long a request's headers may take, how large and how many t
 many connections may be open at once.
 
 `bounded_http` makes uvicorn's httptools protocol (its default HTTP/1.1 implementation, the one the
-door serves with) enforce them; uvicorn bounds none of them itself. The body's own timeout is the
+door serves with) enforce them; uvicorn bounds none of them itself. With a `Gate` (libs/door/gate.py)
+it also refuses a generation request the router would refuse (429, `Retry-After`) as its headers
+complete: no task, no body read, no route run, a few tens of microseconds; the request let in
+carries its place (`Ticket`) to the application in its scope (`TICKET`). The body's own timeout is the
 application's (`DoorConfig.body_timeout_s`): by then there is a route to answer in. Each refusal is
 an OpenAI error object with `Connection: close`, counted in /metrics under the route `connection`
 (it reached no route); a connection that sent nothing is closed without an answer, as an idle
@@ -20,9 +23,12 @@ from typing import Any, ClassVar
 from prometheus_client import Counter
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from libs.door.gate import TICKET, Gate, Ticket
 from libs.door.openai.errors import RETRY_AFTER_S, ApiError
 
 ROUTE = "connection"  # the /metrics route of an answer given before any route was reached
+# The routes that start generations: a POST to one takes a place at the gate with its headers.
+GATED = frozenset({b"/v1/chat/completions", b"/v1/completions", b"/v1/audio/transcriptions"})
 
 
 @dataclass(frozen=True)
@@ -33,15 +39,17 @@ class ConnectionBounds:
     max_connections: int  # open at once; one more is answered 503 and closed
 
 
-def bounded_http(bounds: ConnectionBounds, requests: Counter) -> type[HttpToolsProtocol]:
+def bounded_http(bounds: ConnectionBounds, requests: Counter, gate: Gate | None = None) -> type[HttpToolsProtocol]:
     """uvicorn's HTTP/1.1 protocol under `bounds`, counting each refusal in `requests` (the door's
-    responses by route and status)."""
-    return type("BoundedHttp", (_BoundedHttp,), {"bounds": bounds, "requests": requests})
+    responses by route and status); with `gate`, a POST to a generation route takes its place there
+    as its headers complete, or is refused."""
+    return type("BoundedHttp", (_BoundedHttp,), {"bounds": bounds, "requests": requests, "gate": gate})
 
 
 class _BoundedHttp(HttpToolsProtocol):
     bounds: ClassVar[ConnectionBounds]
     requests: ClassVar[Counter]
+    gate: ClassVar[Gate | None]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -50,6 +58,7 @@ class _BoundedHttp(HttpToolsProtocol):
         self._header_bytes = 0
         self._headers = 0
         self._refused = False
+        self._tickets: list[Ticket] = []  # places this connection's requests took at the gate
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
@@ -66,6 +75,8 @@ class _BoundedHttp(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        for ticket in self._tickets:  # a request whose handler never handed its place on
+            ticket.called()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -96,7 +107,26 @@ class _BoundedHttp(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         if not self._refused:
             self._disarm()
+            if self.gate is not None and not self._admitted():
+                return
             super().on_headers_complete()
+
+    def _admitted(self) -> bool:
+        """A POST to a generation route takes a place at the gate (in its scope, for the application
+        to hand on), or is refused 429 here; other requests pass."""
+        assert self.gate is not None
+        path = self.url.partition(b"?")[0]
+        if path not in GATED or self.parser.get_method() != b"POST":
+            return True
+        try:
+            ticket = self.gate.enter()
+        except ApiError as refusal:
+            self._refuse(refusal, route=path.decode())
+            return False
+        self._tickets = [t for t in self._tickets if t.held]
+        self._tickets.append(ticket)
+        self.scope[TICKET] = ticket  # type: ignore[literal-required]
+        return True
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -148,7 +178,7 @@ class _BoundedHttp(HttpToolsProtocol):
             ApiError(408, f"the request's headers did not arrive within {timeout:g} s", code="request_timeout")
         )
 
-    def _refuse(self, error: ApiError) -> None:
+    def _refuse(self, error: ApiError, route: str = ROUTE) -> None:
         """Answer `error` and close: what the client sent after it is not read."""
         self._refused = True
         self._disarm()
@@ -163,4 +193,4 @@ class _BoundedHttp(HttpToolsProtocol):
         head += [f"{name}: {value}\r\n".encode() for name, value in headers.items()]
         self.transport.write(b"".join([*head, b"\r\n", body]))
         self.transport.close()
-        self.requests.labels(ROUTE, str(error.status)).inc()
+        self.requests.labels(route, str(error.status)).inc()

@@ -32,6 +32,7 @@ from opentelemetry.trace import Status, StatusCode
 from libs.contract.epd.v1 import generate_pb2
 from libs.contract.errors import EpdError
 from libs.door.calls import GenerateCall
+from libs.door.gate import Gate
 from libs.door.openai.errors import ApiError, from_error
 from libs.door.server import DoorHttpSettings, DoorServer
 from libs.rpc.admission import Admission
@@ -110,6 +111,7 @@ def with_door(
         tls_cert=listener.tls_cert,
         tls_key=listener.tls_key,
         grace_s=listener.grace_s,
+        gate=Gate.of_admission(admission),  # a request the router would refuse is refused at its arrival
     )
     drain, close = parts.drain, parts.close
 

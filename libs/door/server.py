@@ -21,6 +21,7 @@ from libs.config import setting
 from libs.door.app import DoorConfig, create_app, whisper_vocab
 from libs.door.calls import GenerateCall
 from libs.door.connections import ConnectionBounds, bounded_http
+from libs.door.gate import DEFAULT_MAX_PENDING, Gate
 from libs.fetch import FetchClient, FetchLimits
 
 
@@ -55,6 +56,12 @@ class DoorHttpSettings:
     max_connections: int = setting(
         2048, "connections open at once; one more is answered 503 and closed (keep under the file limit)"
     )
+    max_pending: int = setting(
+        0,
+        "a door of its own: requests it holds at once (arriving or in the router); one more is answered 429 at its "
+        f"arrival, before its body is read. 0: {DEFAULT_MAX_PENDING} (the router's --max-running + --max-waiting "
+        "defaults). In the router's process the router's admission is the bound (every caller counted)",
+    )
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -88,7 +95,14 @@ class DoorServer:
         tls_cert: Path | None,
         tls_key: Path | None,
         grace_s: float,
+        gate: Gate | None = None,
     ) -> None:
+        """`gate`: the door's refusals at arrival (libs/door/gate.py); None: a gate of its own over
+        its calls, `max_pending` places."""
+        if gate is None:
+            gate = Gate.own(settings.max_pending or DEFAULT_MAX_PENDING)
+            generate = gate.counted(generate)
+        self.gate = gate
         self.fetch = FetchClient(
             FetchLimits(
                 max_bytes=settings.fetch_max_mib << 20,
@@ -108,7 +122,7 @@ class DoorServer:
         )
         self.tls = tls_cert is not None
         self.metrics = CollectorRegistry()  # the door's instruments, served on its /metrics
-        app = create_app(config, generate, self.fetch, health, self.metrics)
+        app = create_app(config, generate, self.fetch, health, self.metrics, gate)
         bounds = ConnectionBounds(
             header_timeout_s=settings.header_timeout_s,
             max_header_bytes=settings.max_header_kib << 10,
@@ -118,7 +132,7 @@ class DoorServer:
         self._server = _Uvicorn(
             uvicorn.Config(
                 app,
-                http=bounded_http(bounds, app.state.metrics.requests),
+                http=bounded_http(bounds, app.state.metrics.requests, gate),
                 timeout_keep_alive=settings.keep_alive_s,
                 log_config=None,
                 access_log=False,

@@ -40,6 +40,7 @@ CLIENT_RETRIES: dict[Reason, bool] = {
     Reason.ENGINE_RESTARTING: True,  # the engine is back within about a minute
     Reason.EMBEDDING_GONE: True,  # the router's own re-encode failed too; a new call encodes anew
     Reason.KV_GONE: True,  # likewise: a new call prefills anew
+    Reason.EMBEDDING_NEEDED: True,  # the router encodes and retries itself; a new call would too
     Reason.OVERLOADED: False,  # the service sheds load: the caller backs off (RESOURCE_EXHAUSTED)
 }
 

@@ -12,12 +12,16 @@ Flow per request, and where each part lives:
 4. `Prefill` then `Decode` (E/P/D) or `PrefillDecode` (E+PD), by the stage clients
    (services/router/stages.py); every stage call moves between members through `Failover`
    (services/router/failover.py) as the policy says (services/router/policy.py);
-5. recovery, here: if prefill found an embedding gone before any token was streamed, re-encode
+5. a later turn of a conversation whose member holds its prefix: the items that member holds go
+   as layouts only (`prefix_held`, services/router/held.py) to that member, no encoder runs; if
+   it no longer holds them (EMBEDDING_NEEDED) or cannot take the request, encode and go on as
+   usual;
+6. recovery, here: if prefill found an embedding gone before any token was streamed, re-encode
    once and retry; if decode found the KV gone before it streamed anything (its lease expired
    while decode restarted, or the slot was reclaimed), recompute once: encode, prefill again, and
    continue with decode when the recomputed first token is the one already streamed (greedy or
    seeded sampling);
-6. whatever happens (error, cancel, deadline), release every lease the request still holds
+7. whatever happens (error, cancel, deadline), release every lease the request still holds
    (services/router/leases.py).
 """
 
@@ -38,9 +42,11 @@ from libs.contract.epd.v1 import generate_pb2, generation_pb2
 from libs.contract.validation import Limits, validate_generate_request
 from libs.rpc.coalesce import coalesced
 from libs.telemetry.stages import ATTRIBUTION
+from services.router.affinity import conversation_key
 from services.router.cache_lookup import CacheLookup
 from services.router.dispatch import EncodeDispatch
 from services.router.encoders import EncoderPool
+from services.router.held import HeldItems, HeldMemberLeft, HeldPlan
 from services.router.leases import Leases, RequestState
 from services.router.policy import RpcFailed
 from services.router.stages import DECODE_IN_FLIGHT_ADVERTISED, Reply, StageClients
@@ -63,14 +69,18 @@ class Router:
         stages: Stages | None = None,
         encode_in_flight: int = 64,
         decode_in_flight: int = DECODE_IN_FLIGHT_ADVERTISED,
+        decode_queue_s: float | None = None,
     ) -> None:
         self._limits = limits or Limits()
         self._leases = Leases(stubs.lease)
+        self._held = HeldItems(stubs.checks)
         self._clients = StageClients(
             stubs,
             stages or Stages.one_each(stubs),
             encode_in_flight=encode_in_flight,
             decode_in_flight=decode_in_flight,
+            held=self._held,
+            decode_queue_s=decode_queue_s,
         )
         self._dispatch = EncodeDispatch(self._clients, encoders, self._leases, cache or CacheLookup(None), self._limits)
         self._transcriber = Transcriber(self._dispatch, self._clients, self._leases)
@@ -98,7 +108,7 @@ class Router:
         started_ns = getattr(root, "start_time", None) or time.time_ns()
         first_token = True
         try:
-            run = self._run(request, state, deadline)
+            run = self._in_decode_slot(request, state, deadline)
             async with contextlib.aclosing(coalesced(run, merge_replies) if coalesce else run) as replies:
                 async for chunk, usage in replies:
                     if chunk.token_ids and first_token:
@@ -120,9 +130,34 @@ class Router:
             # Normal completion leaves nothing (consumers acked); failure and cancel may.
             await asyncio.shield(self._leases.release_all(state))
 
+    async def _held_plan(self, request: generate_pb2.GenerateRequest) -> HeldPlan:
+        """The media items the member holding this conversation's prefix has (services/router/held.py)."""
+        pool = self._clients.prefill_pool()
+        if pool is None or not len(self._held):
+            return HeldPlan()
+        media = [part for message in request.messages for part in message.parts if part.HasField("media")]
+        if not media:
+            return HeldPlan()
+        member = pool.home(conversation_key(request))
+        return await self._held.plan(member, request.cache_salt, media, self._limits.max_inline_media_bytes)
+
     async def warm_up(self, addresses: Sequence[str], image: bytes, timeout_s: float = 30.0) -> int:
         """First contact before traffic (services/router/warmup.py); the requests that succeeded."""
         return await warm_up(self._clients, self._leases, addresses, image, timeout_s)
+
+    async def _in_decode_slot(
+        self, request: generate_pb2.GenerateRequest, state: RequestState, deadline: float | None
+    ) -> AsyncGenerator[Reply, None]:
+        """`_run` in the request's decode slot (E/P/D), taken before any encode: a request waiting
+        for one holds no embedding lease (services/router/stages.py, `decode_slot`). First contact
+        with the model side comes first: it learns the decode members' bound the slots are read from."""
+        await self._checks.backend()
+        async with (
+            self._clients.decode_slot(request, state, deadline),
+            contextlib.aclosing(self._run(request, state, deadline)) as replies,
+        ):
+            async for reply in replies:
+                yield reply
 
     async def _run(
         self, request: generate_pb2.GenerateRequest, state: RequestState, deadline: float | None
@@ -134,13 +169,15 @@ class Router:
                 yield reply
             return
         reencoded = recomputed = False
+        may_hold = True  # until a member said it no longer holds what we thought
         first: generation_pb2.TokenChunk | None = None  # prefill's chunk, once streamed
         while True:
-            messages = await self._dispatch.encode_all(request, state, deadline)
+            held = await self._held_plan(request) if may_hold else HeldPlan()
+            messages = await self._dispatch.encode_all(request, state, deadline, held)
             replay = first  # after a recompute: prefill's chunk again, already streamed
             try:
                 async with contextlib.aclosing(
-                    self._clients.prefill_and_decode(messages, request, state, deadline)
+                    self._clients.prefill_and_decode(messages, request, state, deadline, held)
                 ) as replies:
                     async for chunk, usage in replies:
                         if replay is not None:
@@ -157,8 +194,17 @@ class Router:
                             first = chunk
                         yield chunk, usage
                 return
+            except HeldMemberLeft as exc:
+                _log.info("member holding the prefix left; encoding", member=str(exc), request_id=state.request_id)
+                may_hold = False
+                await self._leases.release_all(state)
             except RpcFailed as exc:
-                if not reencoded and exc.embedding_gone and not state.streamed:
+                if held and exc.held_miss and not state.streamed:
+                    _log.info("prefix no longer held; encoding", member=held.member, request_id=state.request_id)
+                    assert held.member is not None
+                    self._held.forget(held.member, request.cache_salt, list(held.layouts.values()))
+                    may_hold = False
+                elif not reencoded and exc.embedding_gone and not state.streamed:
                     _log.warning("embedding gone before prefill; re-encoding", request_id=state.request_id)
                     reencoded = True
                 elif not recomputed and exc.kv_gone:

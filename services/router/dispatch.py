@@ -21,14 +21,16 @@ import re
 
 import grpc
 import structlog
+from opentelemetry import metrics, trace
 
-from libs.contract.epd.v1 import chat_pb2, encoder_pb2, generate_pb2, layout_pb2, tensor_pb2
+from libs.contract.epd.v1 import chat_pb2, encoder_pb2, generate_pb2, layout_pb2, media_pb2, tensor_pb2
 from libs.contract.errors import FailedPrecondition, InvalidArgument, Unavailable
 from libs.contract.validation import Limits
 from libs.telemetry.stages import phase
 from services.router.cache_lookup import CacheLookup, item_hash
 from services.router.encoders import EncoderPool
 from services.router.failover import Failover, MemberGone, TryAgain
+from services.router.held import HeldPlan
 from services.router.leases import Leases, RequestState
 from services.router.policy import ENCODE_RETRIES, RpcFailed
 from services.router.stages import StageClients
@@ -48,11 +50,21 @@ class EncodeDispatch:
         self._leases = leases
         self._cache = cache
         self._limits = limits
+        self._skipped = metrics.get_meter("epd").create_counter(
+            "epd.router.encodes_skipped",
+            description="Media items sent as held in the member's prefix cache, not encoded, by modality",
+        )
 
     async def encode_all(
-        self, request: generate_pb2.GenerateRequest, state: RequestState, deadline: float | None
+        self,
+        request: generate_pb2.GenerateRequest,
+        state: RequestState,
+        deadline: float | None,
+        held: HeldPlan | None = None,
     ) -> list[chat_pb2.ChatMessage]:
-        """The request's messages with each `media` part replaced by its `encoded` part, in place."""
+        """The request's messages with each `media` part replaced by its `encoded` part, in place;
+        an item `held` by the member the request goes to is only its layout (`prefix_held`), and
+        no encoder sees it."""
         messages = [chat_pb2.ChatMessage(role=src.role) for src in request.messages]
         slots: list[chat_pb2.ContentPart] = []
         media: list[chat_pb2.ContentPart] = []
@@ -64,9 +76,17 @@ class EncodeDispatch:
                     slots.append(out)
                 else:
                     out.CopyFrom(part)
-        if media:
-            with phase("epd.encode", **{"epd.items": len(media)}):
-                jobs = await self._jobs(media)
+        layouts = held.layouts if held else {}
+        for index, layout in layouts.items():
+            slots[index].encoded.layout.CopyFrom(layout)
+            slots[index].encoded.prefix_held = True
+            self._skipped.add(1, {"epd.modality": media_pb2.Modality.Name(layout.modality)})
+        todo = [(index, part) for index, part in enumerate(media) if index not in layouts]
+        if layouts:
+            trace.get_current_span().set_attribute("epd.encode.held_items", len(layouts))
+        if todo:
+            with phase("epd.encode", **{"epd.items": len(todo)}):
+                jobs = await self._jobs(todo)
                 results = await asyncio.gather(
                     *(self._encode(state, items, deadline, placed) for placed, items in jobs), return_exceptions=True
                 )
@@ -92,15 +112,15 @@ class EncodeDispatch:
         state.hold(encoded.embeddings)
         return encoded
 
-    async def _jobs(self, media: list[chat_pb2.ContentPart]) -> list[tuple[str | None, list[_Item]]]:
+    async def _jobs(self, media: list[tuple[int, chat_pb2.ContentPart]]) -> list[tuple[str | None, list[_Item]]]:
         """The request's encode jobs: (the encoder placed on, None: placed per try; its items).
 
         With a shared store, one job per item (each is looked up, and may load, on its own).
         Without one, each item is placed as it would be alone, and the items placed on one
         encoder go in one call: one RPC, started together in one batch (a call per item ran the
         first alone and queued the others behind it; on a vLLM encoder, one vLLM request each)."""
-        keys = await asyncio.gather(*(self._key(part) for part in media))
-        items = [(index, part, key) for index, (part, key) in enumerate(zip(media, keys, strict=True))]
+        keys = await asyncio.gather(*(self._key(part) for _, part in media))
+        items = [(index, part, key) for (index, part), key in zip(media, keys, strict=True)]
         if self._cache.store is not None or len(items) == 1:
             return [(None, [item]) for item in items]
         groups: dict[str, list[_Item]] = {}

@@ -39,6 +39,7 @@ class Meaning:
     wait: bool = False  # when no other member is left: wait for one to take work again
     reencode: bool = False  # (prefill) an embedding it should read is gone: encode again, once
     recompute: bool = False  # (decode, nothing read yet) its KV is gone: prefill again, once
+    held_miss: bool = False  # (prefill) an item sent as held is not in its prefix cache: encode it
 
 
 _LEAVING = Meaning(leaving=True, elsewhere=True, wait=True)
@@ -51,6 +52,8 @@ BY_REASON: dict[Reason, Meaning] = {
     # Another prefill would not find it either: encode again at once.
     Reason.EMBEDDING_GONE: Meaning(reencode=True),
     Reason.KV_GONE: Meaning(recompute=True),
+    # Not a failure of the request: the router's guess of what the member holds was stale.
+    Reason.EMBEDDING_NEEDED: Meaning(held_miss=True),
     # Backing off is the client's call (its own retry policy), as for RESOURCE_EXHAUSTED before.
     Reason.OVERLOADED: Meaning(),
 }
@@ -137,6 +140,10 @@ class RpcFailed(EpdError):
     @property
     def embedding_gone(self) -> bool:
         return self.stage == "prefill" and self.meaning.reencode
+
+    @property
+    def held_miss(self) -> bool:
+        return self.stage == "prefill" and self.meaning.held_miss
 
     @property
     def kv_gone(self) -> bool:

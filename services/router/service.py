@@ -76,6 +76,12 @@ class RouterSettings(DoorHttpSettings, ClientAuthSettings, CommonSettings):
         "decode advertises it runs at once (its --max-running, within its batch: contract 1.7; no bound with "
         "older decodes); 0: no bound",
     )
+    decode_queue_s: float = setting(
+        10.0,
+        "e/p/d: longest a request waits for a decode slot (before its encode and prefill) while every slot is held, "
+        "e.g. by long generations; beyond it RESOURCE_EXHAUSTED (OVERLOADED; the OpenAI door's 429 with "
+        "Retry-After) naming the slots and the queue's length. 0: only the request's deadline bounds the wait",
+    )
     # Off by default: the warm-up's encode counts as a computed item in the encoders' metrics and
     # caches; `epd up`/`epd demo` and the benchmarks turn it on (EPD_WARM_UP=true).
     warm_up: bool = setting(
@@ -197,6 +203,7 @@ async def setup(settings: RouterSettings) -> ServiceParts:
         stages=stages,
         encode_in_flight=settings.encode_in_flight,
         decode_in_flight=settings.decode_in_flight,
+        decode_queue_s=settings.decode_queue_s or None,
     )
     admission = Admission("router", settings.max_running, settings.max_waiting)
     info = service_info_pb2.ServiceInfo(

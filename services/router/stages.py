@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -41,10 +42,12 @@ from libs.contract.epd.v1 import (
     prefill_pb2,
     tensor_pb2,
 )
-from libs.contract.errors import DeadlineExceeded
+from libs.contract.errors import DeadlineExceeded, ResourceExhausted
+from libs.contract.reasons import Reason
 from libs.telemetry.stages import ATTRIBUTION, calls_under, phase, stage, start_phase
 from services.router.affinity import conversation_key
 from services.router.failover import Check, Failover, remaining
+from services.router.held import HeldItems, HeldMemberLeft, HeldPlan
 from services.router.leases import RequestState
 from services.router.policy import MEMBER_RETRIES, RpcFailed, Stage
 from services.router.pool import MemberPool
@@ -58,11 +61,14 @@ _UNBOUNDED = 1 << 30
 
 class Slots:
     """At most `capacity()` holders at once (read at each acquire), waiting in arrival order;
-    `what` names a slot in the error of a wait the deadline ends."""
+    `what` names a slot in the error of a wait the deadline ends. A wait longer than `max_wait_s`
+    (None: none but the deadline) is refused, RESOURCE_EXHAUSTED (OVERLOADED) naming the slots held
+    and the queue's length: a caller told at once rather than after a silent minute."""
 
-    def __init__(self, capacity: Callable[[], int], what: str) -> None:
+    def __init__(self, capacity: Callable[[], int], what: str, max_wait_s: float | None = None) -> None:
         self._capacity = capacity
         self._what = what
+        self._max_wait_s = max_wait_s
         self._held = 0
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
 
@@ -70,9 +76,13 @@ class Slots:
     def waiting(self) -> int:
         return sum(1 for granted in self._waiting if not granted.done())
 
+    @property
+    def in_use(self) -> int:
+        return self._held
+
     @contextlib.asynccontextmanager
     async def held(self, queue_stage: str, deadline: float | None) -> AsyncGenerator[None, None]:
-        """One slot for the body; a wait is a `queue_stage` span, bounded by `deadline`."""
+        """One slot for the body; a wait is a `queue_stage` span, bounded by `deadline` and `max_wait_s`."""
         if self._held < self._capacity() and not self._waiting:
             self._held += 1
         else:
@@ -85,19 +95,28 @@ class Slots:
             self._wake()
 
     async def _wait(self, deadline: float | None) -> None:
+        left = remaining(deadline)  # raises when the deadline has passed: before joining the queue
+        patience = left if self._max_wait_s is None else min(self._max_wait_s, left or self._max_wait_s)
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append(granted)
         try:
-            async with asyncio.timeout(remaining(deadline)):
+            async with asyncio.timeout(patience):
                 await asyncio.shield(granted)
         except BaseException as exc:
+            queue = self.waiting  # this one included
             if granted.done() and not granted.cancelled():
                 self._held -= 1  # granted just as the wait ended: pass the slot on
                 self._wake()
             else:
                 granted.cancel()
             if isinstance(exc, TimeoutError):
-                raise DeadlineExceeded(f"request deadline passed waiting for {self._what}") from None
+                if patience == left:
+                    raise DeadlineExceeded(f"request deadline passed waiting for {self._what}") from None
+                raise ResourceExhausted(
+                    f"no {self._what.removeprefix('a ')} free within {self._max_wait_s:g} s: {self._held} of "
+                    f"{self._capacity()} held, {queue} waiting (this request included); retry later or elsewhere",
+                    reason=Reason.OVERLOADED,
+                ) from None
             raise
 
     def _wake(self) -> None:
@@ -106,6 +125,14 @@ class Slots:
             if not granted.done():  # skip those that gave up
                 self._held += 1
                 granted.set_result(None)
+
+
+def _only(member: str, tried: set[str]) -> str:
+    """`member` for the first try (and after a drain wait); no other member holds the request's
+    held items."""
+    if member in tried:
+        raise HeldMemberLeft(member)
+    return member
 
 
 def _usage(reply: Any) -> generation_pb2.Usage | None:
@@ -122,17 +149,25 @@ class StageClients:
         *,
         encode_in_flight: int = 64,
         decode_in_flight: int = DECODE_IN_FLIGHT_ADVERTISED,
+        held: HeldItems | None = None,
+        decode_queue_s: float | None = None,
     ) -> None:
         if encode_in_flight < 1:
             raise ValueError("encode_in_flight must be >= 1")
         if decode_in_flight < DECODE_IN_FLIGHT_ADVERTISED:
             raise ValueError("decode_in_flight must be >= -1 (-1: as the decode members advertise, 0: no bound)")
+        if decode_queue_s is not None and decode_queue_s <= 0:
+            raise ValueError("decode_queue_s must be > 0 (None: only the request's deadline bounds the wait)")
         self.stubs = stubs
         self.stages = stages
+        self.held = held  # what members' prefix caches hold, learnt from the calls here
         self.encode_in_flight = encode_in_flight
         self._encode_slots: dict[str, asyncio.Semaphore] = {}
         self._decode_in_flight = decode_in_flight
-        self._decode_slots = Slots(self._decode_capacity, "a decode slot") if decode_in_flight else None
+        self._decode_slots = (
+            Slots(self._decode_capacity, "a decode slot", max_wait_s=decode_queue_s) if decode_in_flight else None
+        )
+        self._slot_holders: set[int] = set()  # the states (by id) of requests holding a decode slot
 
     def _decode_capacity(self) -> int:
         """Requests that may be between the start of their prefill and the end of their decode, read
@@ -147,6 +182,31 @@ class StageClients:
         if not known or 0 in known:
             return _UNBOUNDED
         return sum(max(known) if n is None else n for n in advertised)
+
+    def _needs_decode_slot(self, request: generate_pb2.GenerateRequest) -> bool:
+        return (
+            self._decode_slots is not None
+            and self.stubs.prefill_decode is None  # E+PD: the PD's own admission bounds it
+            and request.sampling.max_tokens != 1  # prefill's token is all of it: never decodes
+        )
+
+    @contextlib.asynccontextmanager
+    async def decode_slot(
+        self, request: generate_pb2.GenerateRequest, state: RequestState, deadline: float | None
+    ) -> AsyncGenerator[None, None]:
+        """The request's decode slot for the body, taken before its media are encoded (encode just
+        in time: a request waiting for a slot holds no embedding whose lease could expire meanwhile);
+        its prefill and decode then take no other. Nothing for a request that will not decode."""
+        if not self._needs_decode_slot(request) or id(state) in self._slot_holders:
+            yield
+            return
+        assert self._decode_slots is not None
+        async with self._decode_slots.held("router.decode_queue", deadline):
+            self._slot_holders.add(id(state))
+            try:
+                yield
+            finally:
+                self._slot_holders.discard(id(state))
 
     @contextlib.asynccontextmanager
     async def _encode_slot(self, address: str, deadline: float | None) -> AsyncGenerator[None, None]:
@@ -208,21 +268,43 @@ class StageClients:
         request: generate_pb2.GenerateRequest,
         state: RequestState,
         deadline: float | None,
+        held: HeldPlan | None = None,
     ) -> AsyncGenerator[Reply, None]:
-        """The reply to a request whose media parts are all encoded (`messages`), with the usage
-        on the last chunk; `request` gives the sampling and the priority."""
+        """The reply to a request whose media parts are all encoded or `held` by `held.member`
+        (`messages`), with the usage on the last chunk; `request` gives the sampling and the
+        priority. A request with held parts goes to that member only (`HeldMemberLeft` when it cannot
+        take it)."""
+        member = held.member if held else None
         if self.stubs.prefill_decode is not None:
-            return self._prefill_decode(messages, request, state, deadline)
-        return self._split(messages, request, state, deadline)
+            return self._prefill_decode(messages, request, state, deadline, member)
+        return self._split(messages, request, state, deadline, member)
+
+    def prefill_pool(self) -> MemberPool | None:
+        """The members a request's prefill goes to: PD members (E+PD) or prefill members."""
+        return self.stages.pd if self.stubs.prefill_decode is not None else self.stages.prefill
 
     def _failover(
-        self, pool: MemberPool | None, stage: Stage, deadline: float | None, check: Check, affinity: bytes = b""
+        self,
+        pool: MemberPool | None,
+        stage: Stage,
+        deadline: float | None,
+        check: Check,
+        affinity: bytes = b"",
+        only: str | None = None,
     ) -> Failover:
         """The tries of one call; with `affinity` (a conversation's key), the member it belongs to
-        first (`MemberPool.pick_affine`)."""
+        first (`MemberPool.pick_affine`); with `only`, that member and no other."""
         assert pool is not None, f"no {stage} pool for the stubs' layout"
         pick = (lambda tried: pool.pick_affine(affinity, tried)) if affinity else None
+        if only is not None:
+            pick = functools.partial(_only, only)
         return Failover(pool, stage, MEMBER_RETRIES, deadline, check, pick)
+
+    def _remember(
+        self, address: str, request: generate_pb2.GenerateRequest, messages: list[chat_pb2.ChatMessage]
+    ) -> None:
+        if self.held is not None:
+            self.held.remember(address, request.cache_salt, messages)
 
     async def _prefill_decode(
         self,
@@ -230,6 +312,7 @@ class StageClients:
         request: generate_pb2.GenerateRequest,
         state: RequestState,
         deadline: float | None,
+        member: str | None = None,
     ) -> AsyncGenerator[Reply, None]:
         b = self.stubs
         assert b.prefill_decode is not None
@@ -237,10 +320,11 @@ class StageClients:
         pd_request = prefill_decode_pb2.PrefillDecodeRequest(
             request_id=state.request_id, messages=messages, sampling=request.sampling, cache_salt=request.cache_salt
         )
-        members = self._failover(self.stages.pd, "pd", deadline, b.checks.prefill, conversation_key(request))
+        members = self._failover(self.stages.pd, "pd", deadline, b.checks.prefill, conversation_key(request), member)
         span = start_phase("epd.prefill_decode", **{ATTRIBUTION: "rpc"})
 
         async def on(address: str) -> AsyncGenerator[prefill_decode_pb2.PrefillDecodeResponse, None]:
+            span.set_attribute("epd.pd", address)  # the member that served it (as epd.prefill, epd.decode)
             b.check_sampling(address, "prefill-decode", request.sampling)
             b.check_prompt(address, "prefill-decode", request.messages)
             pd_request.priority = b.priority_for(address, request.priority)
@@ -249,7 +333,11 @@ class StageClients:
                     pd_request, timeout=remaining(deadline), wait_for_ready=members.wait_for_ready
                 )
             try:
+                first = True
                 async for reply in call:
+                    if first:
+                        first = False
+                        self._remember(address, request, messages)
                     yield reply
             finally:
                 call.cancel()  # a consumer gone mid-stream must stop PD (a no-op once it ended)
@@ -271,13 +359,13 @@ class StageClients:
         request: generate_pb2.GenerateRequest,
         state: RequestState,
         deadline: float | None,
+        member: str | None = None,
     ) -> AsyncGenerator[Reply, None]:
-        slot = (
-            contextlib.nullcontext()
-            if self._decode_slots is None or request.sampling.max_tokens == 1  # prefill's token is all of it
-            else self._decode_slots.held("router.decode_queue", deadline)
-        )
-        async with slot, contextlib.aclosing(self._prefill_then_decode(messages, request, state, deadline)) as replies:
+        # Unless the request took its slot before its encode (`decode_slot`): e.g. a speech window.
+        async with (
+            self.decode_slot(request, state, deadline),
+            contextlib.aclosing(self._prefill_then_decode(messages, request, state, deadline, member)) as replies,
+        ):
             async for reply in replies:
                 yield reply
 
@@ -287,8 +375,9 @@ class StageClients:
         request: generate_pb2.GenerateRequest,
         state: RequestState,
         deadline: float | None,
+        member: str | None = None,
     ) -> AsyncGenerator[Reply, None]:
-        first, prefill_address = await self._prefill(messages, request, state, deadline)
+        first, prefill_address = await self._prefill(messages, request, state, deadline, member)
         state.acked()  # prefill acked every embedding it read
         if not first.HasField("kv_cache"):  # finished at the first token
             usage = generation_pb2.Usage(
@@ -310,6 +399,7 @@ class StageClients:
         request: generate_pb2.GenerateRequest,
         state: RequestState,
         deadline: float | None,
+        member: str | None = None,
     ) -> tuple[prefill_pb2.PrefillResponse, str]:
         b = self.stubs
         assert b.prefill is not None
@@ -321,7 +411,9 @@ class StageClients:
             accepted_kv_transports=[tensor_pb2.TRANSPORT_KIND_NIXL],
             cache_salt=request.cache_salt,
         )
-        members = self._failover(self.stages.prefill, "prefill", deadline, b.checks.prefill, conversation_key(request))
+        members = self._failover(
+            self.stages.prefill, "prefill", deadline, b.checks.prefill, conversation_key(request), member
+        )
         try:
             with phase("epd.prefill", **{ATTRIBUTION: "rpc"}) as span:
 
@@ -333,6 +425,7 @@ class StageClients:
                     response = await stub(address).Prefill(
                         prefill_request, timeout=remaining(deadline), wait_for_ready=members.wait_for_ready
                     )
+                    self._remember(address, request, messages)
                     return response, address
 
                 return await members.unary(on)

@@ -33,6 +33,7 @@ from libs.launch.k8s import LANE_LABEL, OCCUPANCY_METRIC
 from libs.launch.process import ServiceProcess, free_port
 from libs.launch.stack import Stack, StackSpec
 from libs.rpc.server import open_channel
+from tests.support.metrics import sample_values, scrape
 from tests.support.vllm_stack import (
     TokenStream,
     call,
@@ -43,8 +44,6 @@ from tests.support.vllm_stack import (
     probe_until_refused,
     request,
     run,
-    sample_values,
-    scrape,
     stage_kinds,
     stats,
     until_draining,

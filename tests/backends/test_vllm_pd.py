@@ -40,7 +40,7 @@ from libs.launch.stack import Stack
 from libs.model import types as eng
 from libs.model.media import synthetic
 from libs.rpc.server import open_channel
-from tests.support.conversations import turn
+from tests.support.conversations import encoder_leases, turn
 from tests.support.openai_door import disconnect_mid_stream, openai_messages, running_door, traceparent
 from tests.support.stacks import run_requests
 from tests.support.vllm_stack import (
@@ -206,13 +206,38 @@ def test_a_conversations_next_turn_reuses_its_tenants_prefix_image_included(vllm
     address = vllm_epd_stack.address
     (first,) = run_requests(address, [turn("tenant-a", None)])
     follow_up = turn("tenant-a", first.text)
+    encoded = encoder_leases(vllm_epd_stack)
     again, together = run_requests(address, [follow_up, follow_up])
+    assert encoder_leases(vllm_epd_stack) == encoded, "a next turn was encoded though vLLM held its image"
     (stranger,) = run_requests(address, [turn("tenant-b", first.text)])
+    assert encoder_leases(vllm_epd_stack) == encoded + 1, "another tenant's turn was not encoded"
     image_end = first.prompt_tokens // 2  # the image and most of the first question lie before it
     assert again.cached_prompt_tokens > image_end and together.cached_prompt_tokens > image_end
     assert stranger.cached_prompt_tokens == 0
     assert again.token_ids == together.token_ids == stranger.token_ids
     _wait_empty(vllm_epd_stack)
+
+
+def test_a_held_item_vllm_does_not_hold_is_refused_unscheduled(vllm_epd_stack: Stack) -> None:
+    """An item sent as held (contract 1.9) that vLLM's prefix cache does not cover: the EC connector
+    keeps the request off the model (no zeros computed or cached) and it fails FAILED_PRECONDITION
+    with reason EMBEDDING_NEEDED, naming the item; the engine goes on serving."""
+    layout = layout_pb2.ItemLayout(
+        modality=media_pb2.MODALITY_IMAGE,
+        mm_hash="ab" * 32,
+        placeholder_token_count=4,
+        image=layout_pb2.ImageLayout(grid_t=1, grid_h=4, grid_w=4),
+    )
+    held = _pd_request(layout_pb2.EncodedMedia(layout=layout, prefix_held=True))
+    held.cache_salt = f"tenant-{time.monotonic_ns()}"
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        run(_prefill_decode, vllm_epd_stack.processes["pd"].address, held)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reason_of(refused.value) == Reason.EMBEDDING_NEEDED
+    assert "items[0] was sent as held" in (refused.value.details() or "")
+    _wait_empty(vllm_epd_stack)
+    (answer,) = run_requests(vllm_epd_stack.address, [turn("tenant-a", None)])
+    assert answer.token_ids
 
 
 def test_service_info_advertises_the_engine(vllm_epd_stack: Stack) -> None:

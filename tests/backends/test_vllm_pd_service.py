@@ -29,12 +29,11 @@ from libs.launch.k8s import LANE_LABEL, OCCUPANCY_METRIC
 from libs.launch.process import ServiceProcess, free_port
 from libs.rpc.admission import CAPABILITY as ADMISSION_PRIORITY
 from libs.rpc.server import open_channel
+from tests.support.metrics import sample_values, scrape
 from tests.support.vllm_stack import (
     TokenStream,
     frozen_engine,
     probe_until_refused,
-    sample_values,
-    scrape,
     stage_kinds,
     stats,
     until_draining,

@@ -40,7 +40,9 @@ from libs.launch.stack import Stack
 from libs.model import types as eng
 from libs.model.media import synthetic
 from libs.rpc.server import open_channel
+from tests.support.conversations import encoder_leases, turn
 from tests.support.release_tree import release_checkout
+from tests.support.stacks import run_requests
 from tests.support.vllm_stack import (
     TOKENS,
     call,
@@ -227,6 +229,21 @@ def test_placed_the_decode_engine_runs_alone_and_every_other_process_on_the_serv
     assert processes["encoder-0"].nice() == plan.encoder_nice
     # ... its session too: across sessions the kernel's autogroups rank by the session's nice alone.
     assert session_nice(processes["encoder-0"].pid) in (None, plan.encoder_nice)
+
+
+def test_a_conversations_next_turn_is_neither_encoded_nor_read_again(vllm_split_stack: Stack) -> None:
+    """E/P/D on vLLM: the next turn of a conversation keeping its image goes to the prefill holding
+    its prefix with the image as held (contract 1.9): no encoder call, a prefix hit past the image,
+    the decode scoped to the tenant, the answer another tenant's cold turn gives."""
+    address = vllm_split_stack.address
+    (first,) = run_requests(address, [turn("tenant-a", None)])
+    encoded = encoder_leases(vllm_split_stack)
+    (again,) = run_requests(address, [turn("tenant-a", first.text)])
+    assert encoder_leases(vllm_split_stack) == encoded, "the next turn was encoded though prefill held its image"
+    (stranger,) = run_requests(address, [turn("tenant-b", first.text)])
+    assert again.cached_prompt_tokens > first.prompt_tokens // 2 and stranger.cached_prompt_tokens == 0
+    assert again.token_ids == stranger.token_ids
+    _wait_empty(vllm_split_stack)
 
 
 def test_prefill_and_decode_advertise_vllm_and_paged_kv(vllm_split_stack: Stack) -> None:

@@ -5,7 +5,9 @@ chunks, so the prefix the first turn leaves is long enough for any engine's pref
 from __future__ import annotations
 
 from libs.contract.epd.v1 import chat_pb2, generate_pb2, media_pb2, sampling_pb2
+from libs.launch.stack import Stack
 from libs.model.media import synthetic
+from tests.support.stacks import pool_stats
 
 IMAGE = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=synthetic.png_bytes(448, 448, seed=11))
 QUESTION = "look at the picture and tell me " + " ".join(f"what part {i} shows" for i in range(60))
@@ -28,3 +30,14 @@ def turn(salt: str, answer: str | None, max_tokens: int = 8) -> generate_pb2.Gen
     return generate_pb2.GenerateRequest(
         messages=messages, sampling=sampling_pb2.SamplingParams(max_tokens=max_tokens), cache_salt=salt
     )
+
+
+def encoder_leases(stack: Stack) -> int:
+    """Embeddings the stack's encoders produced so far (one lease per item encoded): what a turn
+    that needs no encoder leaves unchanged."""
+    total = 0
+    for name, process in stack.processes.items():
+        if name.startswith("encoder-"):
+            pool = pool_stats(process.address).pool
+            total += pool.active_leases + pool.acked_leases + pool.released_leases + pool.expired_leases
+    return total

@@ -23,6 +23,7 @@ from libs.contract.epd.v1 import generate_pb2, generation_pb2
 from libs.contract.errors import EpdError
 from libs.contract.validation import validate_generate_request
 from libs.door.app import DoorConfig, SpeechVocab, create_app
+from libs.door.gate import Gate
 from libs.door.openai.errors import from_error
 from libs.fetch import FetchClient, FetchLimits
 
@@ -114,14 +115,16 @@ def door(
     dns: AbstractResolver | None = None,
     speech: SpeechVocab | None = None,
     tokens: frozenset[str] = frozenset(),
+    gate: Gate | None = None,
 ) -> Door:
     """The app over `router`; media URLs fetched under `fetch`, names resolved by `dns`; a speech
-    model's vocabulary when `speech` is given (transcriptions)."""
+    model's vocabulary when `speech` is given (transcriptions); `gate` refuses at arrival (its own
+    calls counted, as a door of its own: libs/door/gate.py)."""
     router = router or FakeRouter()
     registry = CollectorRegistry()
     config = DoorConfig(MODEL, Path("/models/tiny"), 1.0, max_body_bytes, tokens, speech=speech)
     fetcher = FetchClient(fetch or FetchLimits(max_bytes=1 << 20), dns=dns)
-    app = create_app(config, router, fetcher, _healthy, registry)
+    app = create_app(config, router if gate is None else gate.counted(router), fetcher, _healthy, registry, gate)
     return Door(app, router, registry, fetcher)
 
 

@@ -198,6 +198,7 @@ class Harness:
             stages=self.stages,
             encode_in_flight=kw.get("encode_in_flight", 64),
             decode_in_flight=kw.get("decode_in_flight", DECODE_IN_FLIGHT_ADVERTISED),
+            decode_queue_s=kw.get("decode_queue_s"),
         )
 
     async def tokens(self, request: generate_pb2.GenerateRequest) -> list[int]:

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import os
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,22 +269,9 @@ async def probe_until_refused(probe: Callable[[], Awaitable[Any]], attempts: int
     return outcomes
 
 
-def scrape(port: int) -> str:
-    """A service's Prometheus /metrics (`--metrics-port`)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        return str(reply.read().decode())
-
-
 def stage_kinds(metrics: str) -> set[str]:
     """The `epd.stage` values the stage histogram has samples for."""
     return {line.split('epd_stage="')[1].split('"')[0] for line in metrics.splitlines() if 'epd_stage="' in line}
-
-
-def sample_values(metrics: str, name: str, label: str = "") -> list[float]:
-    """The values of metric `name`'s samples (those whose labels contain `label`)."""
-    return [
-        float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{") and label in line
-    ]
 
 
 def engine_processes(service: ServiceProcess) -> list[psutil.Process]:

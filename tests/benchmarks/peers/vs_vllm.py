@@ -114,7 +114,9 @@ COMPILED = "-compiled"
 PREFILL_EAGER = "-prefilleager"
 DECODE_EAGER = "-decodeeager"
 EAGER = "-eager"
-DECODE_SLOTS = 8  # the decode's batch as EPD runs vLLM (`--max-batch`, vLLM's max_num_seqs)
+# `-gate` configurations: the router's decode bound, the vLLM peers' max_num_seqs (EPD's decode
+# defaults to 32).
+DECODE_SLOTS = 8
 # Each EPD configuration and the vLLM deployment it would replace (the ratios EPD / peer).
 PEERS = {
     "epd-e+pd": "vllm-e+pd", "epd-e+pd-vllmenc": "vllm-e+pd",
