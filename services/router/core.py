@@ -39,6 +39,7 @@ from opentelemetry import trace
 
 from libs.contract.chunks import merge_replies
 from libs.contract.epd.v1 import generate_pb2, generation_pb2
+from libs.contract.errors import Unavailable
 from libs.contract.validation import Limits, validate_generate_request
 from libs.rpc.coalesce import coalesced
 from libs.telemetry.stages import ATTRIBUTION
@@ -131,15 +132,23 @@ class Router:
             await asyncio.shield(self._leases.release_all(state))
 
     async def _held_plan(self, request: generate_pb2.GenerateRequest) -> HeldPlan:
-        """The media items the member holding this conversation's prefix has (services/router/held.py)."""
+        """The media items that the member this conversation's last turn went to holds
+        (services/router/held.py), when the request goes there again: that member is then chosen
+        now, before the encodes (`MemberPool.pick_affine`, as at the call), so that what is not
+        encoded is what it holds. Otherwise the member is chosen at the call, as for any request
+        (chosen before encodes that take a while, many would pick by loads that no longer hold)."""
         pool = self._clients.prefill_pool()
-        if pool is None or not len(self._held):
-            return HeldPlan()
         media = [part for message in request.messages for part in message.parts if part.HasField("media")]
-        if not media:
+        key = conversation_key(request)
+        owner = None if pool is None or not media else pool.last(key)
+        plan = await self._held.plan(owner, request.cache_salt, media, self._limits.max_inline_media_bytes)
+        if not plan:
             return HeldPlan()
-        member = pool.home(conversation_key(request))
-        return await self._held.plan(member, request.cache_salt, media, self._limits.max_inline_media_bytes)
+        assert pool is not None
+        try:
+            return plan if pool.pick_affine(key) == owner else HeldPlan()
+        except Unavailable:
+            return HeldPlan()  # no member now: the stage call waits for one, or says so
 
     async def warm_up(self, addresses: Sequence[str], image: bytes, timeout_s: float = 30.0) -> int:
         """First contact before traffic (services/router/warmup.py); the requests that succeeded."""

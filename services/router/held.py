@@ -5,10 +5,10 @@ them go there, so a conversation's next turn on that member needs no encoder (co
 - `remember`: a member answered a request (its first token came back): each of the request's
   media items, named by its content hash within the request's tenant (`libs.model.content.scoped`:
   never shared across tenants), is now in that member's cache, with the layout its encoder gave.
-- `plan`: before a request's encodes, the member its conversation lives on (`MemberPool.home`)
-  and, for each media item the router saw go there, its layout: those items go as `prefix_held`
-  parts, no encoder runs and the member reads nothing. The items are hashed only when the
-  conversation has such a member.
+- `plan`: before a request's encodes, the member its conversation goes to (`MemberPool.pick_affine`,
+  chosen once) and, for each media item the router saw go there, its layout: those items go as
+  `prefix_held` parts, no encoder runs and the member reads nothing. The items are hashed only
+  when that member advertises `prefix.held_items` and the router knows of items it holds.
 - `forget`: the member answered EMBEDDING_NEEDED (it evicted the prefix, restarted, or the item lay
   past what it caches): the router encodes and retries, and stops assuming that member holds them.
 
@@ -35,8 +35,9 @@ CAPACITY = 65536  # (member, item) pairs remembered (~300 bytes each)
 
 @dataclass
 class HeldPlan:
-    """The member a request goes to because it holds some of its items, and those items' layouts
-    (by the request's media item index); empty when nothing is held anywhere we know of."""
+    """The member a request goes to (chosen before its encodes; None: chosen at the call), and the
+    layouts of the items it holds already, by the request's media item index. True when it holds
+    some: the request then goes to that member only."""
 
     member: str | None = None
     layouts: dict[int, layout_pb2.ItemLayout] = field(default_factory=dict)
@@ -82,9 +83,10 @@ class HeldItems:
     async def plan(
         self, member: str | None, salt: str, media: Sequence[chat_pb2.ContentPart], max_bytes: int
     ) -> HeldPlan:
-        """Which of a request's media parts (`media`, in item order) `member` holds."""
-        if member is None or not self._held or not self._checks.honors(member, HELD_ITEMS_CAPABILITY):
-            return HeldPlan()
+        """The plan for a request going to `member`: which of its media parts (`media`, in item
+        order) that member holds."""
+        if member is None or not media or not self._held or not self._checks.honors(member, HELD_ITEMS_CAPABILITY):
+            return HeldPlan(member)
         layouts: dict[int, layout_pb2.ItemLayout] = {}
         for index, part in enumerate(media):
             digest = await item_hash(part.media, max_bytes)
@@ -94,7 +96,7 @@ class HeldItems:
                 layout.CopyFrom(held)
                 layout.item_index = index  # its place in this request
                 layouts[index] = layout
-        return HeldPlan(member, layouts) if layouts else HeldPlan()
+        return HeldPlan(member, layouts)
 
 
 def _encoded(messages: Sequence[chat_pb2.ChatMessage]) -> list[chat_pb2.ContentPart]:

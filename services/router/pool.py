@@ -14,8 +14,7 @@ choice of one per call.
   (remembered for the latest `HOMES` keys); the least loaded for a new key, and instead of its
   member while that member is busier than `AFFINITY_LOAD` times the least loaded (bounded load),
   draining, excluded or gone. (A hash of the key would place new conversations without memory,
-  but unevenly when they are few: 7 of 8 on one of two members happened.) `home(key)` says,
-  without choosing, which member that is while it keeps the key.
+  but unevenly when they are few: 7 of 8 on one of two members happened.)
 
 `EncoderPool` (services/router/encoders.py) adds content-hash placement on top.
 """
@@ -118,17 +117,10 @@ class MemberPool:
         """The member for the next call, never one in `exclude`."""
         return self.least_loaded(self.candidates(exclude))
 
-    def home(self, key: bytes) -> str | None:
-        """The member `key`'s last call went to, while `pick_affine` would keep it there (a member,
-        not draining, within the load bound); None otherwise. Changes nothing."""
+    def last(self, key: bytes) -> str | None:
+        """The member `key`'s last call went to, while it is a member (changes nothing)."""
         owner = self._homes.get(key)
-        if owner is None or owner not in self.outstanding:
-            return None
-        try:
-            candidates = self.candidates(set())
-        except Unavailable:
-            return None
-        return owner if owner in candidates and self._within_bound(owner, candidates) else None
+        return owner if owner in self.outstanding else None
 
     def _within_bound(self, owner: str, candidates: Sequence[str]) -> bool:
         """Whether `owner` may keep its conversations (bounded load): its calls in flight at most

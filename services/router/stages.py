@@ -127,12 +127,15 @@ class Slots:
                 granted.set_result(None)
 
 
-def _only(member: str, tried: set[str]) -> str:
-    """`member` for the first try (and after a drain wait); no other member holds the request's
-    held items."""
-    if member in tried:
-        raise HeldMemberLeft(member)
-    return member
+def _planned(plan: HeldPlan, otherwise: Callable[[set[str]], str], tried: set[str]) -> str:
+    """The planned member for the first try (and after a drain wait); after it, the usual pick, or
+    none when the request's held items are there only."""
+    assert plan.member is not None
+    if plan.member not in tried:
+        return plan.member
+    if plan:
+        raise HeldMemberLeft(plan.member)
+    return otherwise(tried)
 
 
 def _usage(reply: Any) -> generation_pb2.Usage | None:
@@ -272,12 +275,11 @@ class StageClients:
     ) -> AsyncGenerator[Reply, None]:
         """The reply to a request whose media parts are all encoded or `held` by `held.member`
         (`messages`), with the usage on the last chunk; `request` gives the sampling and the
-        priority. A request with held parts goes to that member only (`HeldMemberLeft` when it cannot
-        take it)."""
-        member = held.member if held else None
+        priority. The request goes to `held.member` first (chosen before its encodes), and only
+        there when some of its parts are held (`HeldMemberLeft` when it cannot take it)."""
         if self.stubs.prefill_decode is not None:
-            return self._prefill_decode(messages, request, state, deadline, member)
-        return self._split(messages, request, state, deadline, member)
+            return self._prefill_decode(messages, request, state, deadline, held)
+        return self._split(messages, request, state, deadline, held)
 
     def prefill_pool(self) -> MemberPool | None:
         """The members a request's prefill goes to: PD members (E+PD) or prefill members."""
@@ -290,14 +292,15 @@ class StageClients:
         deadline: float | None,
         check: Check,
         affinity: bytes = b"",
-        only: str | None = None,
+        planned: HeldPlan | None = None,
     ) -> Failover:
         """The tries of one call; with `affinity` (a conversation's key), the member it belongs to
-        first (`MemberPool.pick_affine`); with `only`, that member and no other."""
+        first (`MemberPool.pick_affine`); with `planned`, the member chosen before the encodes first,
+        and no other when it holds some of the request's items."""
         assert pool is not None, f"no {stage} pool for the stubs' layout"
-        pick = (lambda tried: pool.pick_affine(affinity, tried)) if affinity else None
-        if only is not None:
-            pick = functools.partial(_only, only)
+        pick = (lambda tried: pool.pick_affine(affinity, tried)) if affinity else (lambda tried: pool.pick(tried))
+        if planned is not None and planned.member is not None:
+            pick = functools.partial(_planned, planned, pick)
         return Failover(pool, stage, MEMBER_RETRIES, deadline, check, pick)
 
     def _remember(
@@ -312,7 +315,7 @@ class StageClients:
         request: generate_pb2.GenerateRequest,
         state: RequestState,
         deadline: float | None,
-        member: str | None = None,
+        planned: HeldPlan | None = None,
     ) -> AsyncGenerator[Reply, None]:
         b = self.stubs
         assert b.prefill_decode is not None
@@ -320,7 +323,7 @@ class StageClients:
         pd_request = prefill_decode_pb2.PrefillDecodeRequest(
             request_id=state.request_id, messages=messages, sampling=request.sampling, cache_salt=request.cache_salt
         )
-        members = self._failover(self.stages.pd, "pd", deadline, b.checks.prefill, conversation_key(request), member)
+        members = self._failover(self.stages.pd, "pd", deadline, b.checks.prefill, conversation_key(request), planned)
         span = start_phase("epd.prefill_decode", **{ATTRIBUTION: "rpc"})
 
         async def on(address: str) -> AsyncGenerator[prefill_decode_pb2.PrefillDecodeResponse, None]:
@@ -359,12 +362,12 @@ class StageClients:
         request: generate_pb2.GenerateRequest,
         state: RequestState,
         deadline: float | None,
-        member: str | None = None,
+        planned: HeldPlan | None = None,
     ) -> AsyncGenerator[Reply, None]:
         # Unless the request took its slot before its encode (`decode_slot`): e.g. a speech window.
         async with (
             self.decode_slot(request, state, deadline),
-            contextlib.aclosing(self._prefill_then_decode(messages, request, state, deadline, member)) as replies,
+            contextlib.aclosing(self._prefill_then_decode(messages, request, state, deadline, planned)) as replies,
         ):
             async for reply in replies:
                 yield reply
@@ -375,9 +378,9 @@ class StageClients:
         request: generate_pb2.GenerateRequest,
         state: RequestState,
         deadline: float | None,
-        member: str | None = None,
+        planned: HeldPlan | None = None,
     ) -> AsyncGenerator[Reply, None]:
-        first, prefill_address = await self._prefill(messages, request, state, deadline, member)
+        first, prefill_address = await self._prefill(messages, request, state, deadline, planned)
         state.acked()  # prefill acked every embedding it read
         if not first.HasField("kv_cache"):  # finished at the first token
             usage = generation_pb2.Usage(
@@ -399,7 +402,7 @@ class StageClients:
         request: generate_pb2.GenerateRequest,
         state: RequestState,
         deadline: float | None,
-        member: str | None = None,
+        planned: HeldPlan | None = None,
     ) -> tuple[prefill_pb2.PrefillResponse, str]:
         b = self.stubs
         assert b.prefill is not None
@@ -412,7 +415,7 @@ class StageClients:
             cache_salt=request.cache_salt,
         )
         members = self._failover(
-            self.stages.prefill, "prefill", deadline, b.checks.prefill, conversation_key(request), member
+            self.stages.prefill, "prefill", deadline, b.checks.prefill, conversation_key(request), planned
         )
         try:
             with phase("epd.prefill", **{ATTRIBUTION: "rpc"}) as span:

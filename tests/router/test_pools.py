@@ -300,18 +300,3 @@ def test_a_conversation_moved_by_load_stays_where_its_last_turn_went() -> None:
     for _ in range(3):
         pool.end(owner)
     assert pool.pick_affine(key) == moved  # its prefix is there now, not where it started
-
-
-def test_home_names_the_member_a_conversation_stays_on_and_chooses_nothing() -> None:
-    pool = MemberPool(["a", "b"], stage="pd")
-    assert pool.home(b"conversation") is None  # never placed
-    owner = pool.pick_affine(b"conversation")
-    assert pool.home(b"conversation") == owner
-    for _ in range(2):
-        pool.begin(owner)  # 2 calls against the other's 0: past the bound (1.5 x 0 + 1)
-    assert pool.home(b"conversation") is None, "an overloaded member still kept the conversation"
-    assert pool.outstanding[owner] == 2  # home() took no call and moved nothing
-    for _ in range(2):
-        pool.end(owner)
-    pool.draining(owner)
-    assert pool.home(b"conversation") is None
