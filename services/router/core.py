@@ -38,7 +38,7 @@ import structlog
 from opentelemetry import trace
 
 from libs.contract.chunks import merge_replies
-from libs.contract.epd.v1 import generate_pb2, generation_pb2
+from libs.contract.epd.v1 import chat_pb2, generate_pb2, generation_pb2
 from libs.contract.errors import Unavailable
 from libs.contract.validation import Limits, validate_generate_request
 from libs.rpc.coalesce import coalesced
@@ -139,8 +139,12 @@ class Router:
         (chosen before encodes that take a while, many would pick by loads that no longer hold)."""
         pool = self._clients.prefill_pool()
         media = [part for message in request.messages for part in message.parts if part.HasField("media")]
+        # A later turn only (an answer follows the media): its earlier turn's prompt and answer fill
+        # the cache blocks past its media. A repeated first turn may be shorter than one block, which
+        # no engine caches: its items would miss and cost a second call.
+        later = any(message.role == chat_pb2.CHAT_ROLE_ASSISTANT for message in request.messages)
         key = conversation_key(request)
-        owner = None if pool is None or not media else pool.last(key)
+        owner = None if pool is None or not media or not later else pool.last(key)
         plan = await self._held.plan(owner, request.cache_salt, media, self._limits.max_inline_media_bytes)
         if not plan:
             return HeldPlan()

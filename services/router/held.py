@@ -5,9 +5,10 @@ them go there, so a conversation's next turn on that member needs no encoder (co
 - `remember`: a member answered a request (its first token came back): each of the request's
   media items, named by its content hash within the request's tenant (`libs.model.content.scoped`:
   never shared across tenants), is now in that member's cache, with the layout its encoder gave.
-- `plan`: before a request's encodes, the member its conversation goes to (`MemberPool.pick_affine`,
-  chosen once) and, for each media item the router saw go there, its layout: those items go as
-  `prefix_held` parts, no encoder runs and the member reads nothing. The items are hashed only
+- `plan`: before a request's encodes, for each of its media items the router saw go to the member
+  its conversation's last turn went to, the item's layout. When the request goes to that member
+  again (the router then chooses it before the encodes, services/router/core.py), those items go
+  as `prefix_held` parts: no encoder runs and the member reads nothing. The items are hashed only
   when that member advertises `prefix.held_items` and the router knows of items it holds.
 - `forget`: the member answered EMBEDDING_NEEDED (it evicted the prefix, restarted, or the item lay
   past what it caches): the router encodes and retries, and stops assuming that member holds them.

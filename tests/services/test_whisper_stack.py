@@ -210,8 +210,8 @@ def test_same_clip_twice_is_a_cache_hit_and_traced(whisper_path: Path, tmp_path:
     assert done.returncode == 0, done.stderr
     columns, report = parse_table(done.stdout, "request ")
     assert {"again-0", "again-1"} <= set(report)
-    assert all(int(report[r][-1]) == len(expected) for r in ("again-0", "again-1")), report
-    encode = columns.index("encode")
+    tokens, encode = columns.index("tokens"), columns.index("encode")
+    assert all(int(report[r][tokens]) == len(expected) for r in ("again-0", "again-1")), report
     assert float(report["again-0"][encode]) > 0 and float(report["again-1"][encode]) == 0, done.stdout
 
 
