@@ -24,7 +24,7 @@ class DecodeSettings(EngineSettings):
 
     pool_mib: int = setting(512, "registered tensor pool for KV reads, in MiB")
     # More than the other services' 8: a decode slot is held for a whole generation, so with 8 a
-    # short request waited behind 8 long ones for their end (issue 65: 71 s). 32 sequences of the
+    # short request waited behind 8 long ones for their end. 32 sequences of the
     # reference engine's KV fit its memory at the models' context; vLLM schedules its own blocks.
     max_running: int = setting(32, "requests decoding at once (within --max-batch): what the router admits to decode")
     max_batch: int = setting(32, "sequences decoded together in one step")
